@@ -1,0 +1,10 @@
+"""cfdist: iteration-level checkpointing and preemption-tolerant data-parallel training.
+
+Everything users may import is listed in ``__all__``; anything else can change.
+"""
+
+from cfdist.policy import Every, EveryEpoch
+
+__version__ = "0.1.0"
+
+__all__ = ["Every", "EveryEpoch", "__version__"]
