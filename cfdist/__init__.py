@@ -3,8 +3,10 @@
 Everything users may import is listed in ``__all__``; anything else can change.
 """
 
+from cfdist.checkpoint import CheckpointError, Checkpointer, list_checkpoints, load
 from cfdist.policy import Every, EveryEpoch
 
 __version__ = "0.1.0"
 
-__all__ = ["Every", "EveryEpoch", "__version__"]
+__all__ = ["CheckpointError", "Checkpointer", "Every", "EveryEpoch", "list_checkpoints", "load",
+           "__version__"]

@@ -1,0 +1,12 @@
+"""Two-phase checkpointing: snapshot (phase 1), persist (phase 2), format, retention, discovery.
+
+Knows nothing about Ray: runs in a plain script, under torchrun, or inside a Ray actor.
+"""
+
+from cfdist.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
+from cfdist.checkpoint.discovery import list_checkpoints, load
+from cfdist.checkpoint.format import CheckpointError
+from cfdist.checkpoint.persist import CommitInfo, PersistBackend, PersistJob, write_checkpoint
+
+__all__ = ["Checkpointer", "CheckpointerConfig", "CheckpointError", "CommitInfo", "PersistBackend",
+           "PersistJob", "list_checkpoints", "load", "write_checkpoint"]

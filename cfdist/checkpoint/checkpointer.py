@@ -1,0 +1,459 @@
+"""``cfdist.Checkpointer``: the public two-phase checkpointer (CheckFreq, FAST'21).
+
+::
+
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched, "data": loader},
+                               storage="file:///mnt/ssd/run1", policy=cfdist.Every(50))
+    start = ckpt.restore()                 # step of the checkpoint loaded, or None
+    for batch in loader:
+        loss_fn(model(batch)).backward()
+        ckpt.step(opt)                     # replaces opt.step()
+        sched.step()
+    ckpt.close()
+
+Call every method from the training thread. In a torch.distributed job every rank builds one
+with the same arguments and calls ``step`` at the same steps; only the writer rank (rank 0 by
+default) copies and persists tensors, and no rank issues a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from cfdist.checkpoint import discovery, state as st
+from cfdist.checkpoint.flatten import flatten, unflatten
+from cfdist.checkpoint.format import CheckpointError, step_dir
+from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
+from cfdist.checkpoint.snapshot import Snapshotter
+from cfdist.policy.base import StepMeasurement
+from cfdist.storage import open_storages
+
+log = logging.getLogger("cfdist.checkpointer")
+
+HISTORY = "history.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig:
+    """Settings of a :class:`Checkpointer` (live objects are constructor arguments, not fields)."""
+
+    keep: int = 1
+    """Newest committed checkpoints to keep (the one in flight comes on top)."""
+    keep_epoch_ends: bool = True
+    """Also keep every checkpoint taken at an epoch boundary."""
+    backend: str = "thread"
+    """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
+    verify: bool = True
+    """Check every tensor's checksum on restore."""
+
+    def __post_init__(self):
+        if not isinstance(self.keep, int) or self.keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (newest checkpoints to keep), got {self.keep!r}")
+        if self.backend not in ("thread", "process"):
+            raise ValueError(f"backend must be 'thread' or 'process', got {self.backend!r}")
+
+
+def _default_policy():
+    try:
+        from cfdist.policy.auto import Auto
+    except ImportError:  # pragma: no cover - Auto ships with cfdist.policy
+        from cfdist.policy.base import Every
+        return Every(50)
+    return Auto()
+
+
+class _Handle:
+    """Returned by :meth:`Checkpointer.save`: ``wait()`` blocks until that checkpoint committed."""
+
+    def __init__(self, ckpt: "Checkpointer", step: int):
+        self._ckpt, self.step = ckpt, step
+
+    def done(self) -> bool:
+        return self._ckpt.latest_step is not None and self._ckpt.latest_step >= self.step
+
+    def wait(self) -> int:
+        self._ckpt.wait()
+        return self.step
+
+
+class Checkpointer:
+    """Two-phase, iteration-level checkpointing of a training state.
+
+    Args:
+        state: ``{name: object}``; objects with ``state_dict()``/``load_state_dict()``
+            (modules, optimizers, schedulers, cfdist data loaders), tensors, or plain values.
+        storage: an fsspec URL, or a list of URLs to stripe each checkpoint over (several disks).
+        policy: when to checkpoint (``cfdist.Every(k)``, ``cfdist.EveryEpoch()``,
+            ``cfdist.Auto()``); default ``cfdist.Auto()``.
+        rank, world_size: default from torch.distributed when initialised, else 0 and 1.
+        writer: whether this process persists (default: rank 0).
+        backend: ``"thread"``, ``"process"`` or a :class:`PersistBackend` (e.g. a node actor).
+        restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
+            e.g. an in-memory tier before and a shared tier after the node-local one.
+        storage_options: passed to fsspec (credentials, endpoint_url, ...).
+    """
+
+    Config = CheckpointerConfig
+
+    def __init__(self, state: dict, storage, policy=None, *, keep: int = 1, keep_epoch_ends: bool = True,
+                 rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
+                 backend: str | PersistBackend = "thread", restore_from=None,
+                 storage_options: dict | None = None, verify: bool = True):
+        self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
+                                         backend=backend if isinstance(backend, str) else "thread",
+                                         verify=verify)
+        self.state = state
+        self._kinds = st.classify(state)
+        self.storages = open_storages(storage, **(storage_options or {}))
+        self.tiers = [self.storages] + [open_storages(s, **(storage_options or {})) for s in (restore_from or [])]
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = rank if rank is not None else (torch.distributed.get_rank() if dist else 0)
+        self.world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if dist else 1)
+        self.writer = (self.rank == 0) if writer is None else bool(writer)
+        self.policy = policy if policy is not None else _default_policy()
+        if not (hasattr(self.policy, "should_checkpoint") and hasattr(self.policy, "observe")):
+            raise TypeError(f"policy must be a cfdist policy (Every, EveryEpoch, Auto), got {self.policy!r}")
+        if isinstance(backend, str):
+            self.backend: PersistBackend = (ProcessBackend(self.storages, storage_options)
+                                            if backend == "process" else ThreadBackend(self.storages))
+        else:
+            self.backend = backend
+        self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory)
+        if self.writer:
+            discovery.sweep(self.storages)
+        self._step = 0
+        self._lock = threading.Lock()
+        self._pending: dict | None = None      # snapshot taken, small state not yet captured
+        self._ready: dict | None = None        # fully captured, waiting for the copy to finish
+        self._inflight = None                  # Pending persist
+        self._error: BaseException | None = None
+        self._last_return: float | None = None
+        self._persist_done: tuple[float, int] | None = None
+        self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0,
+                           persist_s=0.0, bytes=0, last_error=None)
+        latest = discovery.find_latest([self.storages])
+        self.latest_step: int | None = latest.step if latest else None
+        self._hooks = []
+        for k, obj in state.items():
+            if isinstance(obj, torch.nn.Module):
+                self._hooks.append(obj.register_forward_pre_hook(self._on_boundary))
+            elif hasattr(obj, "register_before_next_hook"):
+                self._hooks.append(obj.register_before_next_hook(self._on_boundary))
+        self._bind_policy()
+
+    # ---- policy wiring -------------------------------------------------------------------------
+    def _bind_policy(self) -> None:
+        if not hasattr(self.policy, "bind"):
+            return
+        from cfdist.policy import base as pb
+
+        if not hasattr(pb, "PolicyContext"):
+            return
+        nbytes = 0
+        for k, obj in self.state.items():
+            if self._kinds[k] == st.EARLY:
+                _, ts = flatten(st.capture(obj))
+                nbytes += sum(t.numel() * t.element_size() for t in ts.values())
+        loader = self._loader()
+        device = "cuda" if any(isinstance(o, torch.nn.Module) and any(p.is_cuda for p in o.parameters())
+                               for o in self.state.values()) else "cpu"
+        hist = self._read_json(HISTORY) or {}
+        ctx = pb.PolicyContext(
+            rank=self.rank, world_size=self.world_size, state_bytes=nbytes, device=device,
+            batch_size=getattr(loader, "batch_size", None),
+            iters_per_epoch=len(loader) if loader is not None and hasattr(loader, "__len__") else None,
+            cached_profile=None, failure_times_s=[r["time"] for r in hist.get("restarts", [])],
+            now_s=time.time(),
+        )
+        self._profile_name = f"profile-{pb.profile_key(ctx)}.json"
+        cached = self._read_json(self._profile_name)
+        if cached is not None:
+            ctx = pb.PolicyContext(**{**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__}, "cached_profile": cached})
+        self.policy.bind(ctx)
+
+    def _read_json(self, rel: str) -> dict | None:
+        try:
+            return json.loads(self.storages[0].read_bytes(rel))
+        except (FileNotFoundError, OSError, ValueError):
+            return None
+
+    def _save_profile(self) -> None:
+        fn = getattr(self.policy, "profile_to_save", None)
+        prof = fn() if fn else None
+        if prof is not None and self.writer:
+            try:
+                self.storages[0].write_atomic(self._profile_name, json.dumps(prof).encode())
+            except OSError as e:
+                log.warning("could not cache the policy profile in %s: %s", self.storages[0].url, e)
+
+    # ---- the training-loop API -----------------------------------------------------------------
+    def _loader(self):
+        for k, obj in self.state.items():
+            if st.is_data_iterator(obj):
+                return obj
+        return None
+
+    def _epoch(self) -> int | None:
+        loader = self._loader()
+        return getattr(loader, "epoch", None) if loader is not None else None
+
+    def _epoch_end(self) -> bool:
+        loader = self._loader()
+        fn = getattr(loader, "at_epoch_end", None)
+        return bool(fn()) if fn else False
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps done (restored from the checkpoint by ``restore``)."""
+        return self._step
+
+    def step(self, optimizer=None, closure=None):
+        """Replaces ``optimizer.step()``: gate, step, count, maybe snapshot.
+
+        Blocks only while the previous snapshot's copy is unfinished (that wait is the stall).
+        Returns what ``optimizer.step`` returned.
+        """
+        t_enter = time.perf_counter()
+        self._on_boundary()
+        self._harvest()
+        stall = self._snap.wait_copied()
+        t0 = time.perf_counter()
+        out = None
+        if optimizer is not None:
+            out = optimizer.step(closure) if closure is not None else optimizer.step()
+        update_s = time.perf_counter() - t0
+        self._step += 1
+        epoch_end = self._epoch_end()
+        snap_s_before = self._snap.last_copy_s
+        took = bool(self.policy.should_checkpoint(self._step, epoch_end=epoch_end))
+        if took:
+            stall += self._begin(epoch_end)
+        now = time.perf_counter()
+        iter_s = now - self._last_return if self._last_return is not None else now - t_enter
+        self._last_return = now
+        self._stats["stall_s"] += stall
+        pd, self._persist_done = self._persist_done, None
+        self.policy.observe(StepMeasurement(
+            step=self._step, iter_s=iter_s, stall_s=stall, update_s=update_s,
+            snapshot_s=self._snap.last_copy_s if self._snap.last_copy_s is not snap_s_before else None,
+            snapshot_device=self._snap.last_device, persist_s=pd[0] if pd else None,
+            persist_bytes=pd[1] if pd else None, checkpointed=took,
+        ))
+        return out
+
+    def save(self, block: bool = False) -> _Handle:
+        """Checkpoint now (preemption notice, end of run), between two training steps.
+
+        ``block=True`` returns once it committed; otherwise ``wait()`` the returned handle.
+        """
+        self._on_boundary()
+        self._harvest()
+        self._snap.wait_copied()
+        if self._pending is None and (self._ready is None or self._ready["step"] != self._step) \
+                and self.latest_step != self._step:
+            self._begin(self._epoch_end())
+        self._on_boundary()
+        h = _Handle(self, self._step)
+        if block:
+            h.wait()
+        return h
+
+    def wait(self) -> None:
+        """Block until the last snapshot committed; re-raise a background failure (once)."""
+        self._on_boundary()
+        self._snap.wait_copied()
+        if self._snap_host_future is not None:
+            self._snap_host_future.result()
+        self._try_submit()
+        if self._inflight is not None:
+            try:
+                self._inflight.wait()
+            except BaseException:
+                pass
+        self._harvest()
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def close(self) -> None:
+        """Wait for the last persist to commit, then release buffers and threads."""
+        if getattr(self, "_closed", False):
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            for h in self._hooks:
+                h.remove()
+            self._snap.close()
+            self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def stats(self) -> dict:
+        s = self._stats
+        n = max(s["checkpoints"], 1)
+        out = {
+            "steps": self._step, "checkpoints": s["checkpoints"], "k": getattr(self.policy, "k", None),
+            "mode": getattr(self.policy, "mode", None), "latest_step": self.latest_step,
+            "mean_stall_s": s["stall_s"] / max(s["snapshots"], 1),
+            "mean_snapshot_s": s["snapshot_s"] / max(s["snapshots"], 1),
+            "mean_persist_s": s["persist_s"] / n, "bytes": s["bytes"], "errors": s["errors"],
+            "last_error": s["last_error"], "total_stall_s": s["stall_s"],
+        }
+        extra = getattr(self.policy, "stats", None)
+        if callable(extra):
+            out.update({k: v for k, v in extra().items() if k not in ("checkpoints", "errors", "bytes")})
+        return out
+
+    # ---- phase 1 and the boundary --------------------------------------------------------------
+    _snap_host_future = None
+
+    def _begin(self, epoch_end: bool) -> float:
+        """Start a snapshot of the current step; returns seconds stalled waiting for the previous persist."""
+        stall = 0.0
+        t0 = time.perf_counter()
+        if self._snap_host_future is not None:
+            self._snap_host_future.result()
+        self._try_submit()
+        if self._inflight is not None and not self._inflight.done():
+            try:
+                self._inflight.wait()   # one persist in flight; its arenas are about to be reused
+            except BaseException:
+                pass
+        self._harvest()
+        stall += time.perf_counter() - t0
+        early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
+        skeleton, tensors = flatten(early)
+        self._pending = {"step": self._step, "epoch": self._epoch(), "epoch_end": epoch_end,
+                         "skeleton": skeleton}
+        self._stats["snapshots"] += 1
+        if self.writer:
+            mode = getattr(self.policy, "mode", "cpu")
+            self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu")
+            self._pending["tensors"] = tensors
+            self._snap_host_future = self._snap._pool.submit(self._snap.stage_to_host)
+            self._snap_host_future.add_done_callback(lambda f: self._try_submit())
+        return stall
+
+    def _on_boundary(self, *args, **kwargs) -> None:
+        """The instant between iterations: capture schedulers, plain values and RNG."""
+        p = self._pending
+        if p is None:
+            return
+        self._pending = None
+        late = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.LATE}
+        p["late"], _ = flatten(late, inline_tensors=True)
+        p["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
+        if self.writer:
+            with self._lock:
+                self._ready = p
+            self._try_submit()
+
+    def _try_submit(self) -> None:
+        with self._lock:
+            p = self._ready
+            if p is None or self._snap_host_future is None or not self._snap_host_future.done():
+                return
+            self._ready = None
+        if self._snap_host_future.exception() is not None:
+            self._record_error(self._snap_host_future.exception(), p["step"])
+            return
+        self._stats["snapshot_s"] += self._snap.last_copy_s or 0.0
+        shards = [ShardJob(index=i, count=len(self._snap.layout), root=i % len(self.storages),
+                           nbytes=self._snap.host[i].nbytes, entries=es, arena_path=self._snap.host[i].path)
+                  for i, es in enumerate(self._snap.layout)]
+        manifest = {"epoch": p["epoch"], "epoch_end": p["epoch_end"], "world_size": self.world_size,
+                    "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"]}
+        job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
+                         keep_epoch_ends=self.config.keep_epoch_ends,
+                         arenas=[a.buf for a in self._snap.host])
+        self._inflight = self.backend.submit(job)
+
+    def _record_error(self, e: BaseException, step: int) -> None:
+        self._stats["errors"] += 1
+        self._stats["last_error"] = f"{type(e).__name__}: {e}"
+        self._error = e
+        log.error("persisting step %d to %s failed: %s; training continues, the previous checkpoint "
+                  "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url, e,
+                  self.latest_step)
+
+    def _harvest(self) -> None:
+        """Collect a finished persist (non-blocking)."""
+        p = self._inflight
+        if p is None or not p.done():
+            return
+        self._inflight = None
+        try:
+            info = p.wait()
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            self._record_error(e, getattr(p, "step", -1))
+            return
+        self.latest_step = info.step
+        self._stats["checkpoints"] += 1
+        self._stats["persist_s"] += info.seconds
+        self._stats["bytes"] = info.bytes
+        self._persist_done = (info.seconds, info.bytes)
+        self._save_profile()
+
+    # ---- restore -------------------------------------------------------------------------------
+    def restore(self, step: int | None = None) -> int | None:
+        """Load the newest committed checkpoint that verifies into the live objects.
+
+        Searches ``storage`` and ``restore_from`` (ties go to the earlier tier). A corrupted
+        checkpoint is skipped with a warning naming the file and checksums; a checkpoint that
+        does not fit the live objects raises ``CheckpointError`` listing the differences.
+        Returns the restored step (the number of optimizer steps done), or None if there is
+        no checkpoint at all. Call before training, on every rank.
+        """
+        cands = discovery.candidates(self.tiers)
+        if step is not None:
+            cands = [c for c in cands if c.step == step]
+            if not cands:
+                raise CheckpointError(f"step {step} is not committed in any of "
+                                      f"{[t[0].url for t in self.tiers]}")
+        if not cands:
+            return None
+        rejected = []
+        for c in cands:
+            try:
+                m, tensors = discovery.load_verified(c.storages, c.step, verify=self.config.verify)
+            except (CheckpointError, OSError) as e:
+                rejected.append(f"step {c.step} in {c.storages[0].url}: {e}")
+                warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({e}); "
+                              f"falling back to an older one", RuntimeWarning, stacklevel=2)
+                continue
+            saved = unflatten(m["skeleton"], tensors)
+            saved.update(unflatten(m.get("late", {}), {}))
+            st.check_compatible(self.state, saved)
+            st.apply(self.state, saved)
+            st.set_rng_state(unflatten(m.get("rng", {}), {}))
+            self._step = c.step
+            if self.latest_step is None or c.tier == 0:
+                self.latest_step = c.step if c.tier == 0 else self.latest_step
+            self._record_restart(c.step)
+            log.info("restored step %d from %s (tier %d)", c.step, c.storages[0].url_of(step_dir(c.step)), c.tier)
+            return c.step
+        raise CheckpointError("no usable checkpoint; found and rejected:\n  " + "\n  ".join(rejected))
+
+    def _record_restart(self, step: int) -> None:
+        if not self.writer:
+            return
+        hist = self._read_json(HISTORY) or {"restarts": []}
+        hist["restarts"].append({"time": time.time(), "step": step})
+        try:
+            self.storages[0].write_atomic(HISTORY, json.dumps(hist).encode())
+        except OSError as e:
+            log.warning("could not record the restart in %s: %s", self.storages[0].url, e)

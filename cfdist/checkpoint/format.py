@@ -1,0 +1,132 @@
+"""On-storage format: step directories, safetensors-compatible shards, the manifest.
+
+::
+
+    <storage>/
+      step-000001200/
+        MANIFEST.json                       # written last: the commit (on root 0 only)
+        shard-00000-of-00002.safetensors    # on root 0
+      (root 1)/step-000001200/shard-00001-of-00002.safetensors
+
+A shard is a plain safetensors file (``safetensors.torch.load_file`` reads it): 8-byte
+little-endian header length, JSON header (padded with spaces to 8 bytes), then the tensors'
+bytes back to back, ordered by element size (largest first) so every tensor is aligned.
+The manifest holds the skeleton of the state, every tensor's shard/offset/dtype/shape and its
+xxh3-64 checksum, and the small state (iterator, RNG, scheduler, step, epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+
+FORMAT = "cfdist/1"
+MANIFEST = "MANIFEST.json"
+STEP_RE = re.compile(r"^step-(\d{9,})$")
+SHARD_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.safetensors$")
+TMP_MARK = ".tmp-"
+
+ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+ST_TO_TORCH = {v: k for k, v in ST_DTYPES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is unusable: missing, uncommitted, corrupted, unsafe or incompatible."""
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"shard-{i:05d}-of-{n:05d}.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor lives: its shard, its byte range inside the shard's data section."""
+
+    name: str
+    shard: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def to_json(self, checksum: str | None) -> dict:
+        d = {"shard": self.shard, "dtype": ST_DTYPES[self.dtype], "shape": list(self.shape),
+             "offset": self.offset, "nbytes": self.nbytes}
+        if checksum is not None:
+            d["xxh3"] = checksum
+        return d
+
+
+def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length + JSON header for one shard whose entries are back to back from 0."""
+    hdr: dict = {}
+    if metadata:
+        hdr["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for e in entries:
+        hdr[e.name] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape),
+                       "data_offsets": [e.offset, e.offset + e.nbytes]}
+    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    raw += b" " * ((8 - (8 + len(raw)) % 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def parse_safetensors_header(head: bytes, *, where: str) -> tuple[int, dict]:
+    """(data start offset, header dict) of a safetensors file's first bytes. Refuses anything else."""
+    if len(head) < 8:
+        raise CheckpointError(f"{where} is not a safetensors file (only {len(head)} bytes)")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > 100 << 20 or 8 + n > len(head):
+        raise CheckpointError(f"{where} is not a safetensors file (header length {n} is implausible "
+                              f"or truncated); it may be a pickle or a corrupted file")
+    try:
+        hdr = json.loads(head[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where} is not a safetensors file: header is not JSON ({e})") from None
+    if not isinstance(hdr, dict):
+        raise CheckpointError(f"{where} is not a safetensors file: header is not an object")
+    return 8 + n, hdr
+
+
+def validate_manifest(m: object, *, where: str) -> dict:
+    """Structural checks on a parsed manifest; every path it names must stay inside the step dir."""
+    if not isinstance(m, dict):
+        raise CheckpointError(f"{where}: manifest is not a JSON object")
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: unknown checkpoint format {m.get('format')!r} (this cfdist reads {FORMAT!r})")
+    for key in ("step", "shards", "tensors", "skeleton"):
+        if key not in m:
+            raise CheckpointError(f"{where}: manifest lacks {key!r}")
+    shards = m["shards"]
+    if not isinstance(shards, list) or not shards:
+        raise CheckpointError(f"{where}: manifest has no shards")
+    for i, s in enumerate(shards):
+        f = s.get("file") if isinstance(s, dict) else None
+        if not isinstance(f, str) or not SHARD_RE.match(f) or "/" in f or "\\" in f:
+            raise CheckpointError(f"{where}: manifest names an unsafe or unexpected shard file {f!r}; "
+                                  f"refusing to read it (shard files must look like shard-00000-of-00001.safetensors)")
+        if not isinstance(s.get("root"), int) or s["root"] < 0:
+            raise CheckpointError(f"{where}: shard {i} has an invalid root index {s.get('root')!r}")
+    for name, t in m["tensors"].items():
+        if not isinstance(t, dict) or not isinstance(t.get("shard"), int) or not 0 <= t["shard"] < len(shards):
+            raise CheckpointError(f"{where}: tensor {name!r} points at a shard that does not exist")
+        if t.get("dtype") not in ST_TO_TORCH:
+            raise CheckpointError(f"{where}: tensor {name!r} has unknown dtype {t.get('dtype')!r}")
+    return m

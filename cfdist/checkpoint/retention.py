@@ -1,0 +1,69 @@
+"""Which committed checkpoints to delete. The choice is pure; :func:`apply` is its thin shell.
+
+Rules: keep the newest ``keep`` committed checkpoints; keep epoch-boundary checkpoints unless
+``keep_epoch_ends=False``; never delete the newest committed one. Called only right after a
+commit, so nothing is deleted before a newer checkpoint is safe (invariant 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+from cfdist.checkpoint.format import MANIFEST, step_dir
+
+log = logging.getLogger("cfdist.retention")
+
+
+def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: bool) -> list[int]:
+    """Steps to delete, given ``(step, is_epoch_end)`` of every committed checkpoint."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    steps = sorted(committed, reverse=True)
+    kept_newest = {s for s, _ in steps[:keep]}
+    return sorted(s for s, ee in steps if s not in kept_newest and not (keep_epoch_ends and ee))
+
+
+# step -> is_epoch_end, per storage URL: manifests are read once per process, not at every commit.
+_EPOCH_END: dict[str, dict[int, bool]] = {}
+_LOCK = threading.Lock()
+
+
+def _is_epoch_end(storage, step: int) -> bool:
+    with _LOCK:
+        known = _EPOCH_END.setdefault(storage.url, {})
+        if step in known:
+            return known[step]
+    try:
+        ee = bool(json.loads(storage.read_bytes(f"{step_dir(step)}/{MANIFEST}")).get("epoch_end"))
+    except (OSError, ValueError):
+        ee = False
+    with _LOCK:
+        known[step] = ee
+    return ee
+
+
+def delete_checkpoint(storages, step: int) -> None:
+    """Un-commit first (the manifest goes), then the files on every root."""
+    d = step_dir(step)
+    storages[0].remove(f"{d}/{MANIFEST}")
+    for st in storages:
+        st.remove(d)
+    with _LOCK:
+        _EPOCH_END.get(storages[0].url, {}).pop(step, None)
+
+
+def apply(storages, *, keep: int, keep_epoch_ends: bool, newest: int, newest_epoch_end: bool) -> list[int]:
+    from cfdist.checkpoint.discovery import committed_steps
+
+    with _LOCK:
+        _EPOCH_END.setdefault(storages[0].url, {})[newest] = newest_epoch_end
+    committed = [(s, _is_epoch_end(storages[0], s)) for s in committed_steps(storages[0])]
+    doomed = [s for s in choose_deletions(committed, keep=keep, keep_epoch_ends=keep_epoch_ends) if s != newest]
+    for s in doomed:
+        try:
+            delete_checkpoint(storages, s)
+        except OSError as e:  # retention failing must not fail the commit that just succeeded
+            log.warning("retention could not delete step %d in %s: %s", s, storages[0].url, e)
+    return doomed

@@ -1,0 +1,206 @@
+"""Phase 1: copy the state's tensors into reusable buffers, off the critical path.
+
+The buffers are *arenas*: one contiguous byte buffer per shard, laid out exactly like the data
+section of the shard's safetensors file, so phase 2 writes each arena with a few large
+sequential writes and no re-packing. Arenas are allocated once and reused while the state's
+layout (names, dtypes, shapes) stays the same; a changed layout re-plans them.
+
+Backing memory, in order of preference:
+
+* ``gpu``: spare GPU memory (``mode="gpu"`` and CUDA tensors): the copy is device-to-device
+  on a side stream (fastest gate); the device-to-host copy into the host arena happens later,
+  in the background, as part of persisting;
+* a file in ``/dev/shm`` when another process (writer process, node actor) must read it;
+* pinned host memory when CUDA is present, else ordinary host memory.
+
+The copy runs on one long-lived background thread (``torch.Tensor.copy_`` releases the GIL),
+overlapped with the next forward/backward. :meth:`Snapshotter.wait_copied` is the gate.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from cfdist.checkpoint.format import TensorEntry
+
+_SHM_DIR = "/dev/shm"
+
+
+def plan_layout(tensors: dict[str, torch.Tensor], n_shards: int) -> list[list[TensorEntry]]:
+    """Assign tensors to ``n_shards`` shards (balanced bytes), offsets aligned by element size.
+
+    Pure: the same names, dtypes and shapes always give the same layout.
+    """
+    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    loads = [0] * n_shards
+    members: list[list[str]] = [[] for _ in range(n_shards)]
+    for name in sorted(tensors, key=lambda n: (-sizes[n], n)):
+        i = min(range(n_shards), key=lambda j: (loads[j], j))
+        members[i].append(name)
+        loads[i] += sizes[name]
+    order = {n: i for i, n in enumerate(tensors)}
+    layout = []
+    for i, names in enumerate(members):
+        names.sort(key=lambda n: (-tensors[n].element_size(), order[n]))
+        off, entries = 0, []
+        for n in names:
+            t = tensors[n]
+            entries.append(TensorEntry(n, i, t.dtype, tuple(t.shape), off, sizes[n]))
+            off += sizes[n]
+        layout.append(entries)
+    return layout
+
+
+def layout_signature(tensors: dict[str, torch.Tensor]) -> tuple:
+    return tuple((n, t.dtype, tuple(t.shape), t.device.type) for n, t in tensors.items())
+
+
+class Arena:
+    """One contiguous byte buffer (host memory, pinned memory, /dev/shm file, or GPU memory)."""
+
+    def __init__(self, nbytes: int, *, shared: bool = False, device: str | torch.device = "cpu",
+                 pin: bool = False, shm_dir: str | None = None):
+        self.nbytes = nbytes
+        self.path: str | None = None
+        n = max(nbytes, 1)
+        if shared:
+            d = shm_dir or (_SHM_DIR if os.path.isdir(_SHM_DIR) else None)
+            if d is None:
+                raise RuntimeError("shared-memory snapshots need /dev/shm (or shm_dir=...)")
+            self.path = os.path.join(d, f"cfdist-{os.getpid()}-{uuid.uuid4().hex[:12]}.arena")
+            self.buf = torch.from_file(self.path, shared=True, size=n, dtype=torch.uint8)
+        elif torch.device(device).type != "cpu":
+            self.buf = torch.empty(n, dtype=torch.uint8, device=device)
+        else:
+            self.buf = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+
+    def view(self, e: TensorEntry) -> torch.Tensor:
+        return self.buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+    def close(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+    def __del__(self):  # best effort: never leave /dev/shm files behind
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def attach_arena(path: str, nbytes: int) -> torch.Tensor:
+    """Map an arena another process created (read by writer processes and node actors)."""
+    return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+
+
+class Snapshotter:
+    """Owns the arenas and the copy thread of one Checkpointer. Not thread-safe: call from the
+    training thread only (the copy itself runs on the internal thread)."""
+
+    def __init__(self, *, n_shards: int = 1, shared: bool = False, shm_dir: str | None = None):
+        self.n_shards = n_shards
+        self.shared = shared
+        self.shm_dir = shm_dir
+        self.layout: list[list[TensorEntry]] | None = None
+        self.host: list[Arena] = []
+        self.gpu: list[Arena] = []
+        self._sig: tuple | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-snapshot")
+        self._copy: Future | None = None
+        self.last_copy_s: float | None = None
+        self.last_device: str = "cpu"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.host)
+
+    def _ensure(self, tensors: dict[str, torch.Tensor], want_gpu: bool) -> None:
+        sig = layout_signature(tensors)
+        if sig == self._sig and (bool(self.gpu) == want_gpu):
+            return
+        self.close_arenas()
+        self.layout = plan_layout(tensors, self.n_shards)
+        pin = torch.cuda.is_available() and not self.shared
+        self.host = [Arena(sum(e.nbytes for e in es), shared=self.shared, pin=pin, shm_dir=self.shm_dir)
+                     for es in self.layout]
+        if want_gpu:
+            dev = next(t.device for t in tensors.values() if t.is_cuda)
+            self.gpu = [Arena(sum(e.nbytes for e in es), device=dev) for es in self.layout]
+        self._sig = sig
+
+    def start(self, tensors: dict[str, torch.Tensor], *, mode: str = "cpu") -> None:
+        """Begin copying ``tensors`` (live references) into the arenas; returns at once.
+
+        Must be called right after the optimizer step, and the caller must not mutate the
+        tensors until :meth:`wait_copied` returned (the gate before the next update).
+        """
+        self.wait_copied()
+        want_gpu = mode == "gpu" and any(t.is_cuda for t in tensors.values())
+        self._ensure(tensors, want_gpu)
+        pairs = []
+        targets = self.gpu if want_gpu else self.host
+        for es, arena in zip(self.layout, targets):
+            for e in es:
+                pairs.append((tensors[e.name], arena.view(e)))
+        stream = None
+        if any(src.is_cuda for src, _ in pairs):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+        self.last_device = "gpu" if want_gpu else "cpu"
+        self._copy = self._pool.submit(self._do_copy, pairs, stream)
+
+    @staticmethod
+    def _do_copy(pairs, stream) -> float:
+        t0 = time.perf_counter()
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                for src, dst in pairs:
+                    dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+        else:
+            with torch.no_grad():
+                for src, dst in pairs:
+                    dst.copy_(src)
+        return time.perf_counter() - t0
+
+    def copy_running(self) -> bool:
+        return self._copy is not None and not self._copy.done()
+
+    def wait_copied(self) -> float:
+        """The gate: block until the current copy finished; returns seconds waited."""
+        if self._copy is None:
+            return 0.0
+        t0 = time.perf_counter()
+        fut, self._copy = self._copy, None
+        self.last_copy_s = fut.result()
+        return time.perf_counter() - t0
+
+    def stage_to_host(self) -> None:
+        """After a GPU-memory snapshot: copy the GPU arenas into the host arenas (background)."""
+        if not self.gpu or self.last_device != "gpu":
+            return
+        for g, h in zip(self.gpu, self.host):
+            h.buf.copy_(g.buf)
+        torch.cuda.synchronize(g.buf.device)
+
+    def close_arenas(self) -> None:
+        for a in self.host + self.gpu:
+            a.close()
+        self.host, self.gpu, self._sig, self.layout = [], [], None, None
+
+    def close(self) -> None:
+        try:
+            self.wait_copied()
+        finally:
+            self.close_arenas()
+            self._pool.shutdown(wait=True)

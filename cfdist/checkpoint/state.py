@@ -1,0 +1,142 @@
+"""The user's state dict: what each entry is, when it is captured, how it is restored.
+
+Entries are captured at two instants of the same step boundary (invariant 3):
+
+* **early** (right after ``optimizer.step()``, inside ``ckpt.step``): modules, optimizers and
+  tensors (their tensors are copied by the snapshot), and data iterators (their position is
+  "after batch i" only before the next batch is fetched);
+* **late** (at the boundary: before the next batch is fetched, before the next forward, or at
+  the next checkpointer call, whichever comes first): everything else with a ``state_dict``
+  (schedulers step *after* ``ckpt.step``), plain values, and the RNG states.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from cfdist.checkpoint.format import CheckpointError
+
+EARLY, LATE = "early", "late"
+
+
+def is_data_iterator(obj: Any) -> bool:
+    return hasattr(obj, "state_dict") and hasattr(obj, "__iter__") and not isinstance(obj, torch.nn.Module)
+
+
+def classify(state: dict) -> dict[str, str]:
+    """``{key: "early"|"late"}``; ``TypeError`` naming the key for objects that cannot be saved."""
+    if not isinstance(state, dict) or not state:
+        raise TypeError("state must be a non-empty dict such as {'model': model, 'optim': optimizer}")
+    kinds = {}
+    for k, v in state.items():
+        if not isinstance(k, str) or "/" in k or not k:
+            raise TypeError(f"state key {k!r} must be a non-empty str without '/'")
+        if isinstance(v, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)) or is_data_iterator(v):
+            kinds[k] = EARLY
+        elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
+            kinds[k] = LATE
+        elif v is None or isinstance(v, (bool, int, float, str, list, tuple, dict, np.ndarray)):
+            kinds[k] = LATE
+        else:
+            raise TypeError(
+                f"state[{k!r}] is a {type(v).__name__} without state_dict()/load_state_dict(); "
+                f"pass an object that has both, a tensor, or a plain value"
+            )
+    return kinds
+
+
+def capture(obj: Any) -> Any:
+    """The checkpointable value of one entry (references to live tensors, not copies)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if hasattr(obj, "state_dict") and not isinstance(obj, (dict, list, tuple)):
+        return obj.state_dict()
+    return obj
+
+
+def rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    if "torch" in st:
+        torch.set_rng_state(st["torch"])
+    if "python" in st:
+        v = st["python"]
+        random.setstate((v[0], tuple(v[1]), v[2]))
+    if "numpy" in st:
+        n = st["numpy"]
+        np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), int(n[2]), int(n[3]), float(n[4])))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(st["cuda"]))
+
+
+def _tensor_diffs(prefix: str, live: dict, saved: dict) -> list[str]:
+    diffs = []
+    for k in sorted(set(live) - set(saved)):
+        diffs.append(f"{prefix}{k}: missing in the checkpoint")
+    for k in sorted(set(saved) - set(live)):
+        diffs.append(f"{prefix}{k}: in the checkpoint but not in the live object")
+    for k in sorted(set(live) & set(saved)):
+        a, b = live[k], saved[k]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if tuple(a.shape) != tuple(b.shape):
+                diffs.append(f"{prefix}{k}: shape {tuple(b.shape)} in the checkpoint, {tuple(a.shape)} live")
+            elif a.dtype != b.dtype:
+                diffs.append(f"{prefix}{k}: dtype {b.dtype} in the checkpoint, {a.dtype} live")
+    return diffs
+
+
+def _optim_diffs(key: str, live: dict, saved: dict) -> list[str]:
+    diffs = []
+    lg, sg = live.get("param_groups", []), saved.get("param_groups", [])
+    if len(lg) != len(sg):
+        return [f"{key}: {len(sg)} param groups in the checkpoint, {len(lg)} live"]
+    for i, (a, b) in enumerate(zip(lg, sg)):
+        if len(a["params"]) != len(b["params"]):
+            diffs.append(f"{key}.param_groups[{i}]: {len(b['params'])} params in the checkpoint, {len(a['params'])} live")
+    return diffs
+
+
+def check_compatible(state: dict, saved: dict) -> None:
+    """Raise ``CheckpointError`` listing every difference between live objects and a checkpoint."""
+    diffs = []
+    for k in sorted(set(state) - set(saved)):
+        diffs.append(f"{k}: missing in the checkpoint")
+    for k in sorted(set(saved) - set(state)):
+        diffs.append(f"{k}: in the checkpoint but not in the live state")
+    for k in sorted(set(state) & set(saved)):
+        obj, sv = state[k], saved[k]
+        if isinstance(obj, torch.nn.Module):
+            diffs += _tensor_diffs(f"{k}.", obj.state_dict(), sv)
+        elif isinstance(obj, torch.optim.Optimizer):
+            diffs += _optim_diffs(k, obj.state_dict(), sv)
+        elif isinstance(obj, torch.Tensor):
+            diffs += _tensor_diffs("", {k: obj}, {k: sv} if isinstance(sv, torch.Tensor) else {})
+    if diffs:
+        raise CheckpointError("the checkpoint does not fit the live objects:\n  " + "\n  ".join(diffs))
+
+
+def apply(state: dict, saved: dict) -> None:
+    """Load ``saved[key]`` into each live object in place (plain values are replaced in ``state``)."""
+    for k, obj in state.items():
+        sv = saved[k]
+        try:
+            if isinstance(obj, torch.Tensor):
+                with torch.no_grad():
+                    obj.copy_(sv)
+            elif isinstance(obj, torch.nn.Module):
+                obj.load_state_dict(sv, strict=True)
+            elif hasattr(obj, "load_state_dict") and not isinstance(obj, (dict, list, tuple)):
+                obj.load_state_dict(sv)
+            else:
+                state[k] = sv
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"loading state[{k!r}] failed: {e}") from e
