@@ -1,76 +1,113 @@
-"""URL -> :class:`~cfdist.storage.base.Storage`, with errors that say what to install or fix."""
+"""URL -> :class:`~cfdist.storage.base.Storage`, with errors that say what to install or fix.
+
+    st = open_storage("file:///mnt/ssd/ckpt")             # or the bare absolute path
+    st = open_storage("s3://bucket/run1", client_kwargs={"endpoint_url": "http://127.0.0.1:9000"})
+    roots = open_storages(["file:///mnt/ssd0/ckpt", "file:///mnt/ssd1/ckpt"])   # striping
+    st = open_storage("memory://test-1234")                 # tests; one process only
+
+Local paths must be absolute: a relative path would resolve against each process's working
+directory, which differs between a driver and its Ray workers.
+"""
 
 from __future__ import annotations
 
 import os
+import posixpath
 
 import fsspec
-from fsspec.registry import known_implementations
+from fsspec.registry import known_implementations, registry
 
 from cfdist.storage.base import Storage, StorageError
 
 # scheme -> the pip package that provides it (for the error message)
 _PACKAGES = {
     "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs",
-    "abfss": "adlfs", "hdfs": "pyarrow", "sftp": "paramiko", "oss": "ossfs",
+    "abfss": "adlfs", "adl": "adlfs", "hdfs": "pyarrow", "sftp": "paramiko", "oss": "ossfs",
 }
+
+_EXAMPLES = "'file:///abs/dir' (or '/abs/dir'), 's3://bucket/prefix' or 'memory://name'"
 
 
 def _split(url: str) -> tuple[str, str]:
+    """(scheme, rest) of ``url``; local paths come back absolute and normalized."""
     if "://" not in url:
-        if url.startswith("/") or url.startswith("."):
-            return "file", os.path.abspath(url)
-        raise ValueError(
-            f"storage {url!r} is not a URL: use an fsspec URL such as 'file:///abs/dir', "
-            f"'s3://bucket/prefix' or 'memory://name', or an absolute local path"
-        )
+        path = os.path.expanduser(url)
+        if not path.startswith("/"):
+            raise ValueError(
+                f"storage {url!r} is a relative path: it would resolve differently in each "
+                f"process's working directory; give an absolute path or a URL such as {_EXAMPLES}"
+            )
+        return "file", posixpath.normpath(path)
     scheme, rest = url.split("://", 1)
     scheme = scheme.lower()
     if scheme in ("file", "local"):
         if not rest.startswith("/"):
-            rest = os.path.abspath(rest)
-        return "file", rest
+            raise ValueError(
+                f"storage {url!r} names a relative local path {rest!r}: write it with three "
+                f"slashes and an absolute path, e.g. 'file:///abs/{rest}'"
+            )
+        return "file", posixpath.normpath(rest)
     return scheme, rest
+
+
+def _filesystem_class(url: str, scheme: str) -> type:
+    if scheme not in known_implementations and scheme not in registry:
+        raise ValueError(
+            f"storage URL {url!r} has an unknown scheme {scheme!r}; use one of file, memory, s3, "
+            f"gs, az, hdfs, … (fsspec.available_protocols() lists all)"
+        )
+    try:
+        return fsspec.get_filesystem_class(scheme)
+    except ImportError as e:
+        pkg = _PACKAGES.get(scheme)
+        if pkg:
+            need, fix = f"the package {pkg!r}", f"pip install {pkg}"
+        else:
+            need = f"an fsspec implementation for {scheme!r}"
+            fix = known_implementations.get(scheme, {}).get("err") or "install it"
+        cause = "" if str(e) == fix else f"  ({e})"
+        raise ImportError(f"storage URL {url!r} needs {need}, which is not installed: {fix}{cause}") from e
 
 
 def open_storage(url: str | Storage, **storage_options) -> Storage:
     """Open the storage at ``url`` (``file://``, ``memory://``, ``s3://``, ``gs://`` …).
 
-    Creates the root directory where the filesystem has directories. Raises ``ValueError`` for
-    an unknown scheme and ``ImportError`` naming the package to install when the scheme's
-    fsspec implementation is missing. ``storage_options`` go to the fsspec filesystem
-    (credentials, endpoint_url, …); they are never written anywhere.
+    Creates the root directory where the filesystem has directories (so a local root that
+    cannot be created fails here, with :class:`StorageError`); object stores are checked on
+    first use. Raises ``ValueError`` for an unknown scheme or a relative path, and
+    ``ImportError`` naming the package to install when the scheme's fsspec implementation is
+    missing. ``storage_options`` go to the fsspec filesystem (credentials, ``client_kwargs``,
+    …); they are never written anywhere. Credentials may also come from the environment
+    (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL_S3``, …). A :class:`Storage` passes through.
     """
     if isinstance(url, Storage):
         return url
     if not isinstance(url, str):
         raise TypeError(f"storage must be a URL string, got {type(url).__name__}: {url!r}")
     scheme, rest = _split(url)
-    if scheme not in known_implementations and scheme not in fsspec.available_protocols():
-        raise ValueError(
-            f"storage URL {url!r} has an unknown scheme {scheme!r}; known: file, memory, s3, gs, "
-            f"az, hdfs, … (see fsspec.available_protocols())"
-        )
-    try:
-        cls = fsspec.get_filesystem_class(scheme)
-    except ImportError as e:
-        pkg = _PACKAGES.get(scheme, f"the fsspec implementation for {scheme!r}")
-        raise ImportError(
-            f"storage URL {url!r} needs the package {pkg!r}: pip install {pkg}  ({e})"
-        ) from e
+    cls = _filesystem_class(url, scheme)
     try:
         fs = cls(**storage_options)
-    except Exception as e:  # credential / option errors from the backend
-        raise ValueError(f"could not open the filesystem for {url!r}: {e}") from e
-    root = rest if scheme == "file" else cls._strip_protocol(url)
-    if scheme == "memory" and not root.startswith("/"):
-        root = "/" + root
-    canon = f"file://{root}" if scheme == "file" else url.rstrip("/")
+    except Exception as e:  # noqa: BLE001 - option errors come in each backend's own types
+        raise ValueError(
+            f"could not open the filesystem for {url!r} with options {sorted(storage_options)}: "
+            f"{type(e).__name__}: {e}; check storage_options"
+        ) from e
+    if scheme == "file":
+        root = rest
+        canon = f"file://{root}"
+    else:
+        root = cls._strip_protocol(url)
+        if scheme == "memory" and not root.startswith("/"):
+            root = "/" + root
+        canon = url.rstrip("/")
     st = Storage(canon, fs, root, scheme)
     try:
         st.makedirs("")
     except StorageError as e:
-        raise StorageError(e.errno, f"storage {url!r} is not writable: {e}") from e
+        raise StorageError(
+            e.errno, f"storage {url!r} cannot be used: its root cannot be created ({e.strerror or e})"
+        ) from e
     return st
 
 
