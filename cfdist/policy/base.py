@@ -10,11 +10,23 @@ The :class:`~cfdist.checkpoint.Checkpointer` calls, on every rank, once per trai
 
 Policies do no I/O and no collectives. ``k`` (the current interval, or None) and ``mode``
 (``"cpu"``/``"gpu"``/``"epoch"``) appear in ``Checkpointer.stats``.
+
+Optional hooks, called by the checkpointer when a policy has them (``cfdist.Auto`` does):
+
+* ``bind(ctx: PolicyContext)`` once, at the checkpointer's construction, before any step;
+* ``profile_to_save() -> dict | None``: a JSON-able profile to write (atomically) to storage as
+  ``profile-{profile_key(ctx)}.json``; None when there is nothing new. Safe to call every step;
+* ``stats() -> dict``: merged into ``Checkpointer.stats``;
+* ``sync_width`` / ``sync_payload()`` / ``sync_attached(fetch)``: the carrier protocol of
+  :func:`cfdist.checkpoint.sync.attach_sync_hook` (numbers rank 0 sends to every rank on the
+  gradient all-reduce).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
@@ -88,3 +100,63 @@ class EveryEpoch:
 
     def observe(self, m: StepMeasurement) -> None:
         pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyContext:
+    """What the checkpointer knows about the job when it binds a policy. Pure data.
+
+    Every rank of a job builds it from the same arguments, except ``rank`` and whatever its
+    storage holds (``cached_profile``, ``failure_times_s``).
+    """
+
+    rank: int = 0
+    """This process's rank in the job."""
+    world_size: int = 1
+    """Ranks in the job."""
+    state_bytes: int = 0
+    """Bytes of tensor state one checkpoint holds (model + optimizer ...)."""
+    device: str = "cpu"
+    """Where the model lives: ``"cpu"`` or ``"cuda"`` (``cuda*`` means GPU snapshots exist)."""
+    batch_size: int | None = None
+    """Per-rank batch size when the data loader tells it."""
+    iters_per_epoch: int | None = None
+    """Optimizer steps per epoch when the data loader tells it (sizes the profiling phase)."""
+    cached_profile: dict | None = None
+    """What ``profile_to_save()`` returned in an earlier run with the same ``profile_key``."""
+    failure_times_s: list[float] = field(default_factory=list)
+    """Wall-clock times (``time.time()``) of the restarts recorded in this run's history,
+    excluding the present start."""
+    now_s: float = 0.0
+    """Wall-clock time of the present start (``time.time()``)."""
+    state_signature: str | None = None
+    """Optional digest of the state's layout (names, dtypes, shapes): tells two models of the
+    same size apart in :func:`profile_key`."""
+
+    def __post_init__(self):
+        if not (isinstance(self.world_size, int) and self.world_size >= 1):
+            raise ValueError(f"PolicyContext.world_size must be an int >= 1, got {self.world_size!r}")
+        if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
+            raise ValueError(
+                f"PolicyContext.rank must be in [0, world_size={self.world_size}), got {self.rank!r}"
+            )
+        if not (isinstance(self.state_bytes, int) and self.state_bytes >= 0):
+            raise ValueError(f"PolicyContext.state_bytes must be an int >= 0, got {self.state_bytes!r}")
+        if not (isinstance(self.device, str) and self.device):
+            raise ValueError(f"PolicyContext.device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
+        for name in ("batch_size", "iters_per_epoch"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"PolicyContext.{name} must be None or an int >= 1, got {v!r}")
+
+
+def profile_key(ctx: PolicyContext) -> str:
+    """The storage key of a cached profile: the same for every job whose profile must agree.
+
+    Pure; depends on the state's size (and signature when given), world size, batch size and
+    device, never on rank, time or history. Safe as a file name (``[A-Za-z0-9_-]``).
+    """
+    ident = {"state_bytes": ctx.state_bytes, "state_signature": ctx.state_signature,
+             "world_size": ctx.world_size, "batch_size": ctx.batch_size, "device": ctx.device}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{ctx.device}-w{ctx.world_size}-b{ctx.batch_size or 0}-{digest}"
