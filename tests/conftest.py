@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

@@ -5,8 +5,8 @@ is a ``str`` relative to the root, with ``/`` separators (never a ``pathlib.Path
 collapse the ``//`` of ``s3://``). The checkpoint layer needs only these verbs:
 
 * ``write_file(rel, chunks)`` - stream bytes into a new file, fsync it (local) before returning;
-* ``write_atomic(rel, data)`` - small file, all-or-nothing (tmp + fsync + rename locally, a
-  single PUT on object stores, which is atomic there);
+* ``write_atomic(rel, data)`` - small file, all-or-nothing (tmp + fsync + rename where rename
+  is atomic, a single PUT on object stores, which is atomic there);
 * ``read_bytes(rel, start, end)``, ``open_read(rel)``, ``exists``, ``listdir``, ``size``;
 * ``staging_dir(final)`` / ``publish(staging, final)`` - the atomic commit of a directory:
   a rename locally (``atomic_rename=True``), and on object stores the files are written under
@@ -222,23 +222,29 @@ class Storage:
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Write a small file all-or-nothing: readers see the old content or the new, never half.
 
-        Locally: a unique tmp sibling, fsync, rename, fsync of the directory (the tmp file is
-        removed if anything fails). Object stores: one PUT.
+        With atomic rename (local, ``memory://``): a unique tmp sibling, fsync, rename, fsync of
+        the directory; the tmp file is removed if anything fails. Object stores: one PUT.
         """
-        if not self.is_local:
+        if not self.atomic_rename:
             self.write_file(rel, [data])
             return
-        tmp = f"{rel}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp = f"{rel.strip('/')}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             self.write_file(tmp, [data])
             try:
-                os.replace(self.path(tmp), self.path(rel))
-            except OSError as e:
+                if self.is_local:
+                    os.replace(self.path(tmp), self.path(rel))
+                else:
+                    self.fs.mv(self.path(tmp), self.path(rel))
+            except _backend_errors() as e:
                 raise self._error("committing", rel, e) from e
         except BaseException:
             try:
-                os.remove(self.path(tmp))
-            except OSError:
+                if self.is_local:
+                    os.remove(self.path(tmp))
+                else:
+                    self.fs.rm(self.path(tmp))
+            except Exception:  # noqa: BLE001 - best effort; the original error is what matters
                 pass
             raise
         self.fsync_dir(posixpath.dirname(rel.strip("/")))

@@ -1,0 +1,343 @@
+"""Fault injection over a real Storage, for tests and benchmarks: slow disks, full disks, flaky links.
+
+    slow = throttle(open_storage(url))           # pass-through until told otherwise
+    ...                                          # train, checkpoint
+    slow.set_factor(5.0)                         # from now on every write takes 5x as long
+    disk = throttle(st, bytes_per_s=50e6)        # a 50 MB/s disk
+    full = faulty(st, fail_after_bytes=1 << 20)  # ENOSPC once 1 MiB went through, partial file left
+    flaky = faulty(st, fail_every_n_writes=3, errno=errno.EIO)   # every 3rd write fails
+    full.heal()                                  # writes succeed again
+
+Both wrappers are :class:`~cfdist.storage.base.Storage` objects: hand them to anything that takes
+a Storage. Every verb goes to the wrapped storage, so the bytes really land on the real backend;
+only ``write_file`` is altered (``write_atomic`` writes through ``write_file``, so it is altered
+too). Wrappers nest: ``throttle(faulty(st), factor=3)``.
+
+Injected errors surface exactly like real ones: the wrapped Storage raises its
+:class:`~cfdist.storage.base.StorageError` (an ``OSError`` with the chosen errno, the URL and the
+bytes written), and a failed write leaves what the backend leaves (a partial local or
+``memory://`` file, no object on S3).
+
+Scope: one process. Settings, switches (``set_factor``, ``heal``, ``arm``) and counters live in
+this object and are thread-safe within its process. A pickled copy (sent to a writer process or
+a Ray actor) starts with the settings and counters it had when pickled and then lives on its
+own: switching the original does not reach it. Create the wrapper in the process that writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno as _errno
+import os
+import threading
+import time
+from typing import Callable, Iterable, Iterator
+
+from cfdist.storage.base import Storage
+
+__all__ = ["StorageWrapper", "ThrottledStorage", "FaultyStorage", "throttle", "faulty"]
+
+
+class StorageWrapper(Storage):
+    """A Storage that forwards every verb to ``inner``; subclasses override what they alter.
+
+    ``_before(verb, rel)`` runs first in every forwarded verb (a hook for counting or failing).
+    """
+
+    def __init__(self, inner: Storage):
+        # Same identity as the wrapped storage; the inner one does its own first-use check.
+        self.__dict__.update(url=inner.url, fs=inner.fs, root=inner.root, protocol=inner.protocol,
+                             is_local=inner.is_local, atomic_rename=inner.atomic_rename,
+                             _root_checked=True)
+        self.inner = inner
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
+
+    def _before(self, verb: str, rel: str) -> None:
+        pass
+
+    def write_file(self, rel: str, chunks: Iterable[bytes | memoryview], *, fsync: bool = True) -> int:
+        self._before("write_file", rel)
+        return self.inner.write_file(rel, chunks, fsync=fsync)
+
+    def write_atomic(self, rel: str, data: bytes) -> None:
+        self._before("write_atomic", rel)
+        super().write_atomic(rel, data)  # through self.write_file, so wrappers apply
+
+    def makedirs(self, rel: str = "") -> None:
+        self._before("makedirs", rel)
+        self.inner.makedirs(rel)
+
+    def fsync_dir(self, rel: str = "") -> None:
+        self._before("fsync_dir", rel)
+        self.inner.fsync_dir(rel)
+
+    def staging_dir(self, final: str) -> str:
+        return self.inner.staging_dir(final)
+
+    def publish(self, staging: str, final: str) -> None:
+        self._before("publish", final)
+        self.inner.publish(staging, final)
+
+    def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        self._before("read_bytes", rel)
+        return self.inner.read_bytes(rel, start, end)
+
+    def open_read(self, rel: str):
+        self._before("open_read", rel)
+        return self.inner.open_read(rel)
+
+    def exists(self, rel: str) -> bool:
+        self._before("exists", rel)
+        return self.inner.exists(rel)
+
+    def size(self, rel: str) -> int:
+        self._before("size", rel)
+        return self.inner.size(rel)
+
+    def listdir(self, rel: str = "") -> list[str]:
+        self._before("listdir", rel)
+        return self.inner.listdir(rel)
+
+    def remove(self, rel: str) -> None:
+        self._before("remove", rel)
+        self.inner.remove(rel)
+
+
+# ---- slow disks ---------------------------------------------------------------------------------
+class ThrottledStorage(StorageWrapper):
+    """``write_file`` slowed by sleeping between chunks and after the last one.
+
+    Slowdown (whichever asks for more time wins):
+
+    * ``factor`` - each chunk (and the final fsync/upload) takes ``factor`` times what the real
+      backend took: sleeps ``(factor - 1) * measured``. ``None`` or 1: no slowdown.
+    * ``bytes_per_s`` - the write proceeds no faster than this rate.
+    * ``after_bytes`` - the first ``after_bytes`` bytes written through this wrapper (over its
+      whole life, all files) go at full speed, like a write cache that then fills up.
+
+    Change either at runtime with :meth:`set_factor` / :meth:`set_bytes_per_s` (any thread);
+    a write in progress picks the new value up at its next chunk. ``bytes_written`` and
+    ``slept_s`` count what happened. ``clock`` and ``sleep`` are injectable for tests.
+    """
+
+    def __init__(self, inner: Storage, *, bytes_per_s: float | None = None, factor: float | None = None,
+                 after_bytes: int = 0, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
+        super().__init__(inner)
+        if after_bytes < 0:
+            raise ValueError(f"throttle(after_bytes={after_bytes}): must be >= 0 (0 = from the first byte)")
+        self.after_bytes = after_bytes
+        self._factor: float | None = None
+        self._bytes_per_s: float | None = None
+        self.set_factor(factor)
+        self.set_bytes_per_s(bytes_per_s)
+        self._clock, self._sleep = clock, sleep
+        self.bytes_written = 0
+        self.slept_s = 0.0
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        if state["_clock"] is time.perf_counter and state["_sleep"] is time.sleep:
+            return state
+        raise TypeError("a ThrottledStorage with an injected clock/sleep cannot be pickled")
+
+    @property
+    def factor(self) -> float | None:
+        return self._factor
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return self._bytes_per_s
+
+    def set_factor(self, factor: float | None) -> None:
+        """Make writes ``factor`` times slower from now on (``None`` or 1: full speed)."""
+        if factor is not None and not factor >= 1:
+            raise ValueError(
+                f"throttle factor={factor} would speed the disk up; use a factor >= 1, or None for full speed"
+            )
+        with self._lock:
+            self._factor = factor
+
+    def set_bytes_per_s(self, bytes_per_s: float | None) -> None:
+        """Cap the write rate from now on (``None``: no cap)."""
+        if bytes_per_s is not None and not bytes_per_s > 0:
+            raise ValueError(f"throttle bytes_per_s={bytes_per_s} must be > 0, or None for no cap")
+        with self._lock:
+            self._bytes_per_s = bytes_per_s
+
+    def _extra(self, nbytes: int, seconds: float, *, tail: bool = False) -> float:
+        """Seconds to sleep after the backend took ``seconds`` for ``nbytes`` (counted here)."""
+        with self._lock:
+            before = self.bytes_written
+            if not tail:
+                self.bytes_written += nbytes
+            after = self.bytes_written
+            factor, bps = self._factor, self._bytes_per_s
+        if tail:  # fsync/upload after the last chunk: slowed once the threshold is behind us
+            share = 1.0 if self.after_bytes == 0 or after > self.after_bytes else 0.0
+            slow = 0
+        else:
+            slow = max(0, after - max(before, self.after_bytes))
+            share = slow / nbytes if nbytes else 0.0
+        extra = 0.0
+        if factor and share:
+            extra = (factor - 1) * seconds * share
+        if bps and slow:
+            extra = max(extra, slow / bps - seconds * share)
+        return extra
+
+    def _pause(self, seconds: float) -> None:
+        if seconds > 0:
+            self._sleep(seconds)
+            with self._lock:
+                self.slept_s += seconds
+
+    def _paced(self, chunks: Iterable[bytes | memoryview]) -> Iterator[memoryview]:
+        for c in chunks:
+            mv = memoryview(c).cast("B")
+            t = self._clock()
+            yield mv
+            self._pause(self._extra(mv.nbytes, self._clock() - t))  # the backend took that chunk
+
+    def write_file(self, rel: str, chunks: Iterable[bytes | memoryview], *, fsync: bool = True) -> int:
+        """The wrapped ``write_file``, slowed as configured. Blocks for the extra time."""
+        done: list[float | None] = [None]
+
+        def paced() -> Iterator[memoryview]:
+            yield from self._paced(chunks)
+            done[0] = self._clock()
+
+        n = self.inner.write_file(rel, paced(), fsync=fsync)
+        if done[0] is not None:
+            self._pause(self._extra(0, self._clock() - done[0], tail=True))
+        return n
+
+
+def throttle(storage: Storage, *, bytes_per_s: float | None = None, factor: float | None = None,
+             after_bytes: int = 0) -> ThrottledStorage:
+    """``storage`` with slowed writes; see :class:`ThrottledStorage`. One process only."""
+    return ThrottledStorage(storage, bytes_per_s=bytes_per_s, factor=factor, after_bytes=after_bytes)
+
+
+# ---- failing disks and links --------------------------------------------------------------------
+_READS = ("read_bytes", "open_read")
+
+
+class FaultyStorage(StorageWrapper):
+    """Writes (and optionally reads) that fail with ``OSError(errno)`` while armed.
+
+    * ``fail_after_bytes`` - a disk that fills up: bytes written through this wrapper since
+      :meth:`arm` (all files, all threads) pass until the budget is spent; the write that
+      crosses it writes up to the budget (a partial file) and fails; later writes fail at
+      their first byte until :meth:`heal`. Removing files does not free the budget.
+    * ``fail_every_n_writes`` - every n-th ``write_file`` call since :meth:`arm` fails before
+      its first byte (a dropped connection): locally an empty file is left, on S3 nothing.
+    * ``fail_every_n_reads`` - every n-th ``read_bytes``/``open_read`` call fails.
+
+    ``calls`` counts each verb called (``write_atomic`` counts once as itself and once as the
+    ``write_file`` it does), ``failures`` the injected failures, ``bytes_written`` the bytes let
+    through. Thread-safe within one process.
+    """
+
+    def __init__(self, inner: Storage, *, fail_after_bytes: int | None = None,
+                 fail_every_n_writes: int | None = None, fail_every_n_reads: int | None = None,
+                 errno: int = _errno.ENOSPC):
+        super().__init__(inner)
+        self.errno = errno
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.failures = 0
+        self.bytes_written = 0
+        self.arm(fail_after_bytes=fail_after_bytes, fail_every_n_writes=fail_every_n_writes,
+                 fail_every_n_reads=fail_every_n_reads)
+
+    def arm(self, *, fail_after_bytes: int | None = None, fail_every_n_writes: int | None = None,
+            fail_every_n_reads: int | None = None) -> None:
+        """(Re)start injecting with these settings; budgets and periods count from now."""
+        if fail_after_bytes is not None and fail_after_bytes < 0:
+            raise ValueError(f"faulty(fail_after_bytes={fail_after_bytes}): must be >= 0 (0 = full now)")
+        for name, n in (("fail_every_n_writes", fail_every_n_writes), ("fail_every_n_reads", fail_every_n_reads)):
+            if n is not None and n < 1:
+                raise ValueError(f"faulty({name}={n}): must be >= 1 (1 = every call fails), or None")
+        with self._lock:
+            self.fail_after_bytes = fail_after_bytes
+            self.fail_every_n_writes = fail_every_n_writes
+            self.fail_every_n_reads = fail_every_n_reads
+            self._budget = fail_after_bytes
+            self._writes = 0
+            self._reads = 0
+            self.healed = False
+
+    def heal(self) -> None:
+        """Stop injecting failures (until the next :meth:`arm`)."""
+        with self._lock:
+            self.healed = True
+
+    def _injected(self, why: str) -> OSError:
+        with self._lock:
+            self.failures += 1
+        return OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.storage.faults: {why})")
+
+    def _before(self, verb: str, rel: str) -> None:
+        with self._lock:
+            self.calls[verb] += 1
+            n = self.fail_every_n_reads
+            if verb not in _READS or self.healed or not n:
+                return
+            self._reads += 1
+            k = self._reads
+        if k % n == 0:
+            e = self._injected(f"read number {k} since arm(), fail_every_n_reads={n}")
+            raise self._error("reading", rel, e) from e
+
+    def _take(self, want: int) -> int:
+        """How many of ``want`` bytes the simulated disk still accepts (reserves them)."""
+        with self._lock:
+            if self.healed or self._budget is None:
+                allow = want
+            else:
+                allow = min(want, self._budget)
+                self._budget -= allow
+            self.bytes_written += allow
+            return allow
+
+    def _guarded(self, chunks: Iterable[bytes | memoryview], drop: int) -> Iterator[memoryview]:
+        if drop:
+            raise self._injected(
+                f"write number {drop} since arm(), fail_every_n_writes={self.fail_every_n_writes}")
+        for c in chunks:
+            mv = memoryview(c).cast("B")
+            allow = self._take(mv.nbytes)
+            if allow:
+                yield mv[:allow]
+            if allow < mv.nbytes:
+                raise self._injected(f"disk full after fail_after_bytes={self.fail_after_bytes}")
+
+    def write_file(self, rel: str, chunks: Iterable[bytes | memoryview], *, fsync: bool = True) -> int:
+        """The wrapped ``write_file``; raises StorageError(errno) where a fault is due."""
+        self._before("write_file", rel)
+        with self._lock:
+            n = self.fail_every_n_writes
+            drop = 0  # the number of this write when it is to fail
+            if n and not self.healed:
+                self._writes += 1
+                drop = self._writes if self._writes % n == 0 else 0
+        return self.inner.write_file(rel, self._guarded(chunks, drop), fsync=fsync)
+
+
+def faulty(storage: Storage, *, fail_after_bytes: int | None = None, fail_every_n_writes: int | None = None,
+           fail_every_n_reads: int | None = None, errno: int = _errno.ENOSPC) -> FaultyStorage:
+    """``storage`` with injected failures; see :class:`FaultyStorage`. One process only."""
+    return FaultyStorage(storage, fail_after_bytes=fail_after_bytes, fail_every_n_writes=fail_every_n_writes,
+                         fail_every_n_reads=fail_every_n_reads, errno=errno)
