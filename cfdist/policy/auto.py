@@ -1,0 +1,321 @@
+"""``cfdist.Auto``: choose the checkpoint interval automatically (CheckFreq §4) and keep it right.
+
+::
+
+    ckpt = cfdist.Checkpointer(state, storage=url, policy=cfdist.Auto(max_overhead=0.035))
+
+Phases, per process:
+
+1. **profile** the first ``min(1% of an epoch, 50)`` steps (:mod:`cfdist.policy.profiler`):
+   clean iterations, one GPU snapshot (when there is a GPU), one CPU snapshot, their persists;
+   skipped when the storage holds a profile cached under the same :func:`profile_key`;
+2. **decide** ``k`` and the snapshot mode (:func:`cfdist.policy.freq.decide`): CheckFreq's bounds,
+   and Young/Daly's optimum when the MTBF is known (given, or estimated from this run's restarts);
+3. **tune** ``k`` from the measured overhead (:class:`cfdist.policy.tuner.Tuner`).
+
+Agreement across ranks. Only rank 0's measurements decide ``k``. With ``world_size > 1`` the
+value travels on the gradient all-reduce that DDP already does (:mod:`cfdist.checkpoint.sync`):
+rank 0 puts its current ``k`` on the all-reduce of every step, every rank reads it after the
+backward of step ``s`` and applies it from ``should_checkpoint(s)`` on -- the same step
+everywhere, because all ranks run the same backward before the same ``ckpt.step``. A change is
+therefore applied one step after rank 0 decided it, on every rank including rank 0. Until the
+first value arrives all ranks follow the same profiling plan, derived from the step count.
+The snapshot mode stays rank-local (each snapshotting rank knows its own memory).
+
+Without the carrier (``Auto(sync=False)``, or no DDP model) a multi-rank job cannot agree on a
+measured ``k``: every rank then uses the cached profile's ``k`` (all ranks must read the same
+cache, i.e. shared storage) or ``unsynced_k``, and tuning is off; rank 0 still profiles so the
+next run has a cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from cfdist.policy import freq, profiler
+from cfdist.policy.base import PolicyContext, StepMeasurement, profile_key
+from cfdist.policy.tuner import Tuner, TunerConfig
+
+log = logging.getLogger("cfdist.policy")
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoConfig:
+    """Settings of :class:`Auto`."""
+
+    max_overhead: float = 0.035
+    """Budget p: the fraction of training time checkpointing may cost (0.035 = 3.5%)."""
+    mtbf_s: float | None = None
+    """Mean time between failures in seconds; None = estimate it from this run's restarts (or
+    ignore failures when there are none yet)."""
+    profile_steps: int | None = None
+    """Length of the profiling phase; None = ``min(1% of an epoch, 50)``, at least 10."""
+    at_epoch_end: bool = True
+    """Also checkpoint at the last step of every epoch (CheckFreq does)."""
+    adaptive: bool = True
+    """Tune k from the measured overhead after profiling (False: keep the profiled k)."""
+    gpu_headroom: float = 0.05
+    """Fraction of GPU memory a GPU snapshot must leave free."""
+    sync: bool = True
+    """Carry rank 0's k on the gradient all-reduce (needs a DDP model and no user comm hook)."""
+    unsynced_k: int = 100
+    """k for a multi-rank job without the carrier and without a cached profile."""
+    tuning: TunerConfig = field(default_factory=TunerConfig)
+    """Knobs of the adaptive tuner."""
+
+    def __post_init__(self):
+        if not (isinstance(self.max_overhead, (int, float)) and 0 < self.max_overhead < 1):
+            raise ValueError(
+                f"Auto(max_overhead={self.max_overhead!r}) must be a fraction in (0, 1): "
+                f"0.035 allows checkpointing to cost 3.5% of training time"
+            )
+        if self.mtbf_s is not None and not (isinstance(self.mtbf_s, (int, float))
+                                            and math.isfinite(self.mtbf_s) and self.mtbf_s > 0):
+            raise ValueError(f"Auto(mtbf_s={self.mtbf_s!r}) must be seconds > 0, or None to estimate it")
+        if self.profile_steps is not None and not (isinstance(self.profile_steps, int)
+                                                   and self.profile_steps >= profiler.MIN_STEPS):
+            raise ValueError(f"Auto(profile_steps={self.profile_steps!r}) must be None or an int >= "
+                             f"{profiler.MIN_STEPS} (fewer cannot separate warm-up from samples)")
+        if not (0 <= self.gpu_headroom < 1):
+            raise ValueError(f"Auto(gpu_headroom={self.gpu_headroom!r}) must be a fraction in [0, 1)")
+        if not (isinstance(self.unsynced_k, int) and self.unsynced_k >= 1):
+            raise ValueError(f"Auto(unsynced_k={self.unsynced_k!r}) must be an int >= 1")
+        if not isinstance(self.tuning, TunerConfig):
+            raise TypeError(f"Auto(tuning=...) takes a TunerConfig, got {type(self.tuning).__name__}")
+
+
+class Auto:
+    """The self-tuning checkpoint policy (the default of :class:`cfdist.Checkpointer`).
+
+    Called by the checkpointer from the training thread: ``bind`` once, then per step
+    ``should_checkpoint`` and ``observe``. Not thread-safe except :meth:`sync_payload`, which the
+    DDP comm hook calls from the backward pass (it only reads one int).
+    """
+
+    Config = AutoConfig
+
+    def __init__(self, max_overhead: float = 0.035, mtbf_s: float | None = None, **kwargs):
+        self.config = AutoConfig(max_overhead=max_overhead, mtbf_s=mtbf_s, **kwargs)
+        self.k: int | None = None
+        self.mode: str = "cpu"
+        self.ctx = PolicyContext()
+        self._bound = False
+        self._fetch = None           # the carrier's reader, set by sync_attached
+        self._first: int | None = None
+        self._last_ckpt = 0
+        self._profiler: profiler.Profiler | None = None
+        self._profile: freq.Profile | None = None
+        self._decision: freq.Decision | None = None
+        self._local_mode = "cpu"
+        self._decided_k = 0
+        self._from_cache = False
+        self._tuner: Tuner | None = None
+        self._proposal = 0           # rank 0's k to carry (0: none yet)
+        self._why: tuple[str, dict] = ("", {})
+        self._changes: list[dict] = []
+        self._to_save: dict | None = None
+        self._fixed: bool | None = None   # multi-rank without carrier: k is not measured
+        self.mtbf_s, self.mtbf_source = self.config.mtbf_s, ("given" if self.config.mtbf_s else None)
+
+    def __repr__(self) -> str:
+        return f"Auto(max_overhead={self.config.max_overhead}, mtbf_s={self.config.mtbf_s}, k={self.k})"
+
+    # ---- the checkpointer's hooks --------------------------------------------------------------
+    def bind(self, ctx: PolicyContext) -> None:
+        """Learn the job (once, before the first step). Uses ``ctx.cached_profile`` when valid."""
+        if self._first is not None:
+            raise RuntimeError("Auto.bind() must come before the first step; build a new Auto per Checkpointer")
+        self.ctx, self._bound = ctx, True
+        if self.mtbf_s is None:
+            est = freq.estimate_mtbf(ctx.failure_times_s, now_s=ctx.now_s)
+            if est is not None:
+                self.mtbf_s, self.mtbf_source = est, "history"
+        if ctx.cached_profile is not None:
+            self._load_cache(ctx.cached_profile)
+
+    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
+        """Same answer on every rank: a function of the step count and of rank 0's carried k."""
+        if self._first is None:
+            self._start(step)
+        self._apply_agreed(step)
+        if self.k is None:
+            plan = self._profiler.snapshot_at(step - self._first + 1) if self._profiler else None
+            take = plan is not None or (epoch_end and self.config.at_epoch_end)
+            self.mode = plan or self._local_mode
+        else:
+            take = step - self._last_ckpt >= self.k or (epoch_end and self.config.at_epoch_end)
+            self.mode = self._local_mode
+        if take:
+            self._last_ckpt = step
+        return take
+
+    def observe(self, m: StepMeasurement) -> None:
+        """Account what this rank measured in step ``m.step`` (after ``should_checkpoint``)."""
+        if self._profiler is not None and self._profile is None:
+            rel = m.step - self._first + 1
+            self._profiler.observe(rel, m)
+            if self._profiler.done(rel):
+                self._finish_profile(m.step)
+            elif rel == 10 * self._profiler.steps and self.k is None:
+                log.warning("Auto still profiling after %d steps: waiting for %s (is the checkpointer "
+                            "reporting snapshot and persist times?)", rel, self._profiler.missing(rel))
+        elif self._tuner is not None and self.config.adaptive and not self._fixed:
+            ch = self._tuner.observe(m)
+            if ch is not None:
+                self._propose(ch.k_new, ch.reason, ch.inputs)
+
+    def profile_to_save(self) -> dict | None:
+        """The profile and decision to cache, once after each change; None otherwise."""
+        out, self._to_save = self._to_save, None
+        return out
+
+    def stats(self) -> dict:
+        """For ``Checkpointer.stats``: k, mode, phase, profile, changes, expected lost work."""
+        lost = None
+        if self.k is not None and self._profile is not None:
+            ti = self._tuner.Ti if self._tuner else self._profile.Ti
+            lat = (self._tuner.Tsnap + self._tuner.Ts) if self._tuner else self._latency()
+            s = freq.lost_work_s(k=self.k, Ti=ti, latency_s=lat)
+            lost = {"seconds": s, "iterations": s / ti}
+        return {
+            "k": self.k, "mode": self.mode, "phase": self.phase, "p": self.config.max_overhead,
+            "profile": self._profile.to_dict() if self._profile else None,
+            "profile_from_cache": self._from_cache,
+            "decision": _decision_dict(self._decision),
+            "changes": [dict(c) for c in self._changes],
+            "expected_lost_work": lost, "mtbf_s": self.mtbf_s, "mtbf_source": self.mtbf_source,
+            "overhead_last_window": self._tuner.last_overhead if self._tuner else None,
+            "synced": self._fetch is not None,
+        }
+
+    @property
+    def phase(self) -> str:
+        if self._fixed:
+            return "fixed"
+        if self.k is None:
+            return "profiling"
+        return "tuning" if self.config.adaptive else "profiled"
+
+    # ---- the carrier (cfdist.checkpoint.sync) --------------------------------------------------
+    sync_width = 1
+
+    def sync_payload(self) -> tuple[int]:
+        """What rank 0 sends: its current k (0 while profiling). Called from the backward pass."""
+        return (self._proposal if self.ctx.rank == 0 else 0,)
+
+    def sync_attached(self, fetch) -> None:
+        """The comm hook is in place; ``fetch()`` returns the latest carried tuple or None."""
+        if not self.config.sync:
+            raise RuntimeError("Auto(sync=False) refuses the DDP sync hook; do not attach it")
+        self._fetch = fetch
+
+    # ---- internals -----------------------------------------------------------------------------
+    @property
+    def _proposes(self) -> bool:
+        return self.ctx.rank == 0
+
+    def _start(self, step: int) -> None:
+        self._first, self._last_ckpt = step, step - 1
+        multi = self.ctx.world_size > 1
+        self._fixed = multi and self._fetch is None
+        if self._fixed:
+            k = self._decided_k if self._from_cache else self.config.unsynced_k
+            why = "cached profile" if self._from_cache else f"unsynced_k={self.config.unsynced_k}"
+            log.warning("Auto on %d ranks without the DDP sync hook: k=%d fixed (%s), no tuning. "
+                        "Wrap the model in DistributedDataParallel inside the Checkpointer's state "
+                        "(and leave its comm hook to cfdist) to let rank 0's measurements decide.",
+                        self.ctx.world_size, k, why)
+            self._set_k(k, step, f"k={k} fixed: {why} (no sync hook on {self.ctx.world_size} ranks)", {})
+        if self._profile is None:
+            steps = self.config.profile_steps or profiler.profile_steps(self.ctx.iters_per_epoch)
+            # fixed k never asks for a GPU snapshot, so a fixed run profiles CPU snapshots only
+            gpu = self.ctx.device.startswith("cuda") and not self._fixed
+            self._profiler = profiler.Profiler(steps=steps, has_gpu=gpu, state_bytes=self.ctx.state_bytes)
+
+    def _apply_agreed(self, step: int) -> None:
+        if self._fixed:
+            return
+        if self._fetch is not None:
+            vals = self._fetch()
+            k = int(vals[0]) if vals else 0
+        else:
+            k = self._proposal
+        if k > 0 and k != self.k:
+            if self._proposes and k == self._proposal:
+                reason, inputs = self._why
+            else:
+                reason, inputs = f"k={k} carried from rank 0", {}
+            self._set_k(k, step, reason, inputs)
+
+    def _set_k(self, k: int, step: int, reason: str, inputs: dict) -> None:
+        old, self.k = self.k, k
+        self._changes.append({"step": step, "k_old": old, "k_new": k, "reason": reason, "inputs": inputs})
+        if self._profile is not None:
+            self._to_save = self._cache_dict(k)
+
+    def _propose(self, k: int, reason: str, inputs: dict) -> None:
+        if not self._proposes:
+            return
+        self._proposal, self._why = k, (reason, inputs)
+        log.info("%s", reason)
+
+    def _finish_profile(self, step: int) -> None:
+        M, Mmax = profiler.gpu_memory(self.ctx.device)
+        self._profile = self._profiler.result(M=M, Mmax=Mmax)
+        self._decide(from_cache=None)
+        if self._fixed:  # k stays; cache what was measured for the next run
+            self._to_save = self._cache_dict(self._decided_k)
+
+    def _decide(self, from_cache: dict | None) -> None:
+        cfg = self.config
+        d = freq.decide(self._profile, p=cfg.max_overhead, mtbf_s=self.mtbf_s,
+                        headroom=cfg.gpu_headroom, k_max=cfg.tuning.k_max)
+        self._decision, self._local_mode = d, d.mode
+        k = d.k
+        # a cached k holds what tuning learnt; reuse it while the budget and MTBF are the same
+        if from_cache is not None and from_cache.get("p") == cfg.max_overhead \
+                and from_cache.get("mtbf_s") == self.mtbf_s and isinstance(from_cache.get("k"), int):
+            k = max(from_cache["k"], 1)
+        self._decided_k = k
+        if self._proposes:
+            self._tuner = Tuner(cfg.tuning, p=cfg.max_overhead, profile=self._profile, k=k, mode=d.mode,
+                                mtbf_s=self.mtbf_s, headroom=cfg.gpu_headroom)
+            src = "cached profile" if from_cache is not None else "profile"
+            reason = d.reason(self._profile, cfg.max_overhead, self.mtbf_s) + f" from {src}"
+            if k != d.k:
+                reason = f"k={k} (tuned in an earlier run) " + reason
+            self._propose(k, reason, {"profile": self._profile.to_dict(), **_decision_dict(d)})
+
+    def _latency(self) -> float:
+        p = self._profile
+        snap = p.Tg if self._local_mode == "gpu" and p.Tg is not None else p.Tc
+        return snap + p.Ts
+
+    def _cache_dict(self, k: int) -> dict:
+        return {"version": CACHE_VERSION, "key": profile_key(self.ctx), "profile": self._profile.to_dict(),
+                "p": self.config.max_overhead, "mtbf_s": self.mtbf_s, "k": k, "mode": self._local_mode}
+
+    def _load_cache(self, d: dict) -> None:
+        try:
+            if d.get("version") != CACHE_VERSION:
+                raise ValueError(f"version {d.get('version')!r} != {CACHE_VERSION}")
+            if d.get("key") != profile_key(self.ctx):
+                raise ValueError(f"key {d.get('key')!r} != {profile_key(self.ctx)!r}")
+            self._profile = freq.Profile.from_dict(d["profile"])
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("ignoring the cached Auto profile (%s); profiling again", e)
+            self._profile = None
+            return
+        self._from_cache = True
+        self._decide(from_cache=d)
+
+
+def _decision_dict(d: freq.Decision | None) -> dict | None:
+    if d is None:
+        return None
+    return {"k": d.k, "mode": d.mode, "To": d.To, "k_persist": d.k_persist, "k_budget": d.k_budget,
+            "k_young": d.k_young}

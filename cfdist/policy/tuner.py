@@ -1,0 +1,262 @@
+"""Adaptive rate tuning (CheckFreq §4.5): keep the measured overhead within the budget.
+
+Pure: the :class:`Tuner` sees :class:`~cfdist.policy.base.StepMeasurement` s (durations the
+checkpointer measured) and the current ``k``, and proposes a new ``k`` with its reasons. No
+clocks, no I/O; table-tested.
+
+Windows. The overhead of the checkpoint taken at step ``c`` shows up in the steps after it (the
+snapshot stall at the next gate) and at the next checkpoint (waiting for ``c``'s persist), so a
+window is a run of whole intervals ``(c_j, c_j+1]`` between checkpointed steps, closed once it
+spans at least ``window_steps`` steps. Its overhead is ``sum(iter_s) / (n Ti) - 1`` with ``Ti``
+the iteration time without checkpointing, and ``C = extra time / checkpoints`` is what one
+checkpoint really costs on the critical path.
+
+Decisions, with hysteresis so ``k`` does not oscillate:
+
+* overhead > ``raise_above * p``: raise ``k`` at once to ``ceil(C / (p Ti))`` (``C`` shrinks as
+  ``k`` grows, so one step suffices), at least ``k + 1``;
+* overhead < ``lower_below * p`` for ``lower_patience`` windows in a row: lower ``k`` to reach
+  ``lower_target * p`` with the worst ``C`` of those windows, never below the interval that still
+  hides the persist (``k_persist`` from the latest measured snapshot and persist times) nor the
+  MTBF optimum;
+* the first interval after a change is discarded (it mixes the old and the new ``k``).
+
+``Ti`` is re-measured from quiet steps (no checkpoint in the step, no stall, no persist in
+flight): the median of a window's quiet steps replaces it when there are at least 5.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from cfdist.policy import freq
+from cfdist.policy.base import StepMeasurement
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TunerConfig:
+    """Knobs of adaptive rate tuning. Defaults follow CheckFreq's behaviour with hysteresis."""
+
+    window_steps: int = 50
+    """A window closes at the first checkpoint after this many steps (whole intervals)."""
+    raise_above: float = 1.0
+    """Raise k when a window's overhead exceeds ``raise_above * p``."""
+    lower_below: float = 0.5
+    """Lower k only when overhead stays below ``lower_below * p`` ..."""
+    lower_patience: int = 3
+    """... for this many consecutive windows."""
+    lower_target: float = 0.75
+    """When lowering, aim at ``lower_target * p`` (below ``raise_above`` so it does not bounce)."""
+    max_factor: float = 8.0
+    """One change multiplies or divides k by at most this."""
+    k_max: int = 1_000_000
+    """Never propose more iterations than this between checkpoints."""
+    ema: float = 0.5
+    """Weight of the newest sample in the running snapshot and persist times (0 < ema <= 1)."""
+
+    def __post_init__(self):
+        if not (isinstance(self.window_steps, int) and self.window_steps >= 1):
+            raise ValueError(f"TunerConfig.window_steps must be an int >= 1, got {self.window_steps!r}")
+        if not (0 < self.lower_below < self.lower_target < self.raise_above):
+            raise ValueError(
+                "TunerConfig needs 0 < lower_below < lower_target < raise_above (hysteresis band), "
+                f"got lower_below={self.lower_below} lower_target={self.lower_target} "
+                f"raise_above={self.raise_above}"
+            )
+        if not (isinstance(self.lower_patience, int) and self.lower_patience >= 1):
+            raise ValueError(f"TunerConfig.lower_patience must be an int >= 1, got {self.lower_patience!r}")
+        if not self.max_factor > 1:
+            raise ValueError(f"TunerConfig.max_factor must be > 1, got {self.max_factor!r}")
+        if not (isinstance(self.k_max, int) and self.k_max >= 1):
+            raise ValueError(f"TunerConfig.k_max must be an int >= 1, got {self.k_max!r}")
+        if not (0 < self.ema <= 1):
+            raise ValueError(f"TunerConfig.ema must be in (0, 1], got {self.ema!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Change:
+    """One change of k, with the numbers that caused it (for logs and ``Checkpointer.stats``)."""
+
+    step: int
+    """Step of the measurement that closed the deciding window."""
+    k_old: int
+    k_new: int
+    reason: str
+    """``k=37 because overhead=9.1% > p=3.5% over 120 steps: Ti=0.21s C=0.7s Ts=1.9s ...``."""
+    inputs: dict = field(default_factory=dict)
+    """The numbers in the reason, machine-readable."""
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "k_old": self.k_old, "k_new": self.k_new,
+                "reason": self.reason, "inputs": dict(self.inputs)}
+
+
+class Tuner:
+    """Proposes k from measured overhead. Call :meth:`observe` once per step, in step order.
+
+    Not thread-safe; lives on the rank whose measurements decide (rank 0).
+    """
+
+    def __init__(
+        self, config: TunerConfig, *, p: float, profile: freq.Profile, k: int, mode: str,
+        mtbf_s: float | None = None, headroom: float = 0.05,
+    ):
+        if not (isinstance(k, int) and k >= 1):
+            raise ValueError(f"Tuner needs a starting k >= 1, got {k!r}")
+        if mode not in ("cpu", "gpu"):
+            raise ValueError(f"Tuner mode must be 'cpu' or 'gpu', got {mode!r}")
+        freq._check_p(p)
+        self.config = config
+        self.p = p
+        self.k = k
+        self.mode = mode
+        self.mtbf_s = mtbf_s
+        self.Ti = profile.Ti
+        self.Tw = profile.Tw
+        self.Ts = profile.Ts
+        self.Tsnap = profile.Tg if mode == "gpu" and profile.Tg is not None else profile.Tc
+        self.To_meas: float | None = None
+        """Measured cost per checkpoint beyond waiting for a persist (EMA over windows)."""
+        self.last_overhead: float | None = None
+        """Overhead of the last closed window (fraction), None before the first."""
+        self._seen_ckpt = False
+        self._skip = 0
+        self._reset_window()
+        self._interval: list[StepMeasurement] = []
+        self._low_streak: list[float] = []
+        self._persist_pending = False
+        self._after_ckpt = False
+
+    # ---- derived numbers ---------------------------------------------------------------------
+    @property
+    def To_model(self) -> float:
+        if self.mode == "gpu":
+            return self.Tsnap
+        return freq.cpu_overhead(Ti=self.Ti, Tw=self.Tw, Tc=self.Tsnap)
+
+    def k_floor(self) -> int:
+        """The smallest k the tuner may lower to: hides the persist, and the MTBF optimum
+        (Young/Daly with the measured cost per checkpoint once there is one)."""
+        kp = freq.k_persist(Ti=self.Ti, Tsnap=self.Tsnap, Ts=self.Ts, To=self.To_model)
+        if self.mtbf_s is not None:
+            to = max(self.To_model, self.To_meas or 0.0)
+            kp = freq.k_young(Ti=self.Ti, To=to, latency_s=self.Tsnap + self.Ts,
+                              mtbf_s=self.mtbf_s, k_lo=kp)
+        return min(kp, self.config.k_max)
+
+    def lost_work_s(self) -> float:
+        return freq.lost_work_s(k=self.k, Ti=self.Ti, latency_s=self.Tsnap + self.Ts)
+
+    # ---- feeding -----------------------------------------------------------------------------
+    def _reset_window(self) -> None:
+        self._n = 0
+        self._sum = 0.0
+        self._ckpts = 0
+        self._quiet: list[float] = []
+
+    def observe(self, m: StepMeasurement) -> Change | None:
+        """Account one step; return a :class:`Change` when a closed window calls for one."""
+        quiet = self.is_quiet(m)
+        a = self.config.ema
+        if m.persist_s is not None:
+            self.Ts = a * m.persist_s + (1 - a) * self.Ts
+            self._persist_pending = False
+        if m.snapshot_s is not None and (m.snapshot_device in (None, self.mode)):
+            self.Tsnap = a * m.snapshot_s + (1 - a) * self.Tsnap
+        self._after_ckpt = m.checkpointed
+        if m.checkpointed:
+            self._persist_pending = True
+
+        if not self._seen_ckpt:  # steps before the first checkpoint hold no whole interval
+            self._seen_ckpt = m.checkpointed
+            return None
+        self._interval.append((m.iter_s, quiet))
+        if not m.checkpointed:
+            return None
+        steps, self._interval = self._interval, []
+        if self._skip:
+            self._skip -= 1
+            return None
+        self._n += len(steps)
+        self._sum += sum(t for t, _ in steps)
+        self._ckpts += 1
+        self._quiet.extend(t for t, q in steps if q)
+        if self._n < self.config.window_steps:
+            return None
+        return self._close_window(m.step)
+
+    def is_quiet(self, m: StepMeasurement) -> bool:
+        """Whether ``m`` ran free of checkpoint work: not a checkpoint step, not the step after
+        one (its gate waits for the snapshot), no stall, and no persist in flight before it."""
+        return (not m.checkpointed and m.stall_s == 0 and not self._after_ckpt
+                and not self._persist_pending)
+
+    # ---- decisions ---------------------------------------------------------------------------
+    def _persist_wait(self, k: int) -> float:
+        """Modelled wait per checkpoint for the previous persist when the interval is ``k``."""
+        return max(self.Tsnap + self.Ts - self.To_model - k * self.Ti, 0.0)
+
+    def _k_for(self, C0: float, target: float) -> int:
+        """Smallest k at or above the floor whose overhead ``(C0 + wait(k)) / (k Ti)`` meets
+        ``target``; above the floor the wait is 0, so it is ``ceil(C0 / (target Ti))``."""
+        return max(self.k_floor(), freq._ceil(C0 / (target * self.Ti)), 1)
+
+    def _close_window(self, step: int) -> Change | None:
+        cfg = self.config
+        if len(self._quiet) >= 5:
+            self.Ti = statistics.median(self._quiet)
+        n, total, c = self._n, self._sum, self._ckpts
+        self._reset_window()
+        extra = total - n * self.Ti
+        overhead = extra / (n * self.Ti)
+        self.last_overhead = overhead
+        C = max(extra, 0.0) / c
+        # what one checkpoint costs beyond waiting for its predecessor's persist
+        C0 = max(C - self._persist_wait(self.k), 0.0)
+        self.To_meas = C0 if self.To_meas is None else cfg.ema * C0 + (1 - cfg.ema) * self.To_meas
+        p = self.p
+        inputs = {"overhead": overhead, "p": p, "steps": n, "checkpoints": c, "Ti": self.Ti,
+                  "C": C, "C0": C0, "Tsnap": self.Tsnap, "Ts": self.Ts, "mode": self.mode,
+                  "k_floor": self.k_floor()}
+        if self.mtbf_s is not None:
+            inputs["mtbf_s"] = self.mtbf_s
+        k = self.k
+        target = cfg.lower_target * p
+        if overhead > cfg.raise_above * p:
+            self._low_streak = []
+            want = max(k + 1, self._k_for(C0, target))
+            k_new = min(want, math.ceil(k * cfg.max_factor), cfg.k_max)
+            why = f"overhead={overhead * 100:.2f}% > {cfg.raise_above * p * 100:.3g}%"
+        elif self.k_floor() > k * 1.1:
+            # in budget, but the floor rose (slower persist, or the MTBF optimum with the
+            # measured cost): 10% slack so noise in Ts does not nudge k every window
+            self._low_streak = []
+            k_new = min(self.k_floor(), math.ceil(k * cfg.max_factor), cfg.k_max)
+            why = f"k_floor={self.k_floor()} > k={k} (overhead={overhead * 100:.2f}%)"
+        elif overhead < cfg.lower_below * p:
+            self._low_streak.append(C0)
+            if len(self._low_streak) < cfg.lower_patience:
+                return None
+            worst = max(self._low_streak)
+            self._low_streak = []
+            k_new = max(self._k_for(worst, target), math.floor(k / cfg.max_factor), 1)
+            if k_new >= k:
+                return None
+            why = (f"overhead < {cfg.lower_below * p * 100:.3g}% for {cfg.lower_patience} windows "
+                   f"(last {overhead * 100:.2f}%, worst C0={worst:.3g}s)")
+            inputs["C0"] = worst
+        else:
+            self._low_streak = []
+            return None
+        if k_new == k:
+            return None
+        self.k = k_new
+        self._skip = 1
+        self._interval = []
+        mt = f" MTBF={self.mtbf_s:.4g}s" if self.mtbf_s is not None else ""
+        reason = (f"k={k_new} because {why} over {n} steps: Ti={self.Ti:.3g}s C={C:.3g}s "
+                  f"T{'g' if self.mode == 'gpu' else 'c'}={self.Tsnap:.3g}s Ts={self.Ts:.3g}s "
+                  f"p={p * 100:.3g}%{mt}")
+        return Change(step=step, k_old=k, k_new=k_new, reason=reason, inputs=inputs)

@@ -1,0 +1,348 @@
+"""The tuner and ``Auto`` against scripted measurements: pure, no clocks, no storage.
+
+``simulate`` plays a training loop in virtual time: each step takes ``Ti``; a checkpoint first
+waits for the previous persist (one in flight), then snapshots; the step after a checkpoint stalls
+``To`` at the gate; a persist takes ``Tsnap + Ts(step)`` and is reported by the first step that
+ends after it. What the policy sees is exactly what the checkpointer reports.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cfdist.policy import profiler
+from cfdist.policy.auto import Auto, AutoConfig
+from cfdist.policy.base import PolicyContext, StepMeasurement, profile_key
+from cfdist.policy.freq import Profile
+from cfdist.policy.tuner import Tuner, TunerConfig
+
+
+def simulate(policies, steps, *, Ti=0.1, Tw=0.01, Tsnap=0.02, To=0.02, Ts=lambda s: 0.5,
+             device="cpu", carry=False, writer=0, start=1):
+    """Run ``policies`` (one per rank) for ``steps`` steps; returns per-rank checkpointed steps
+    and the virtual time spent. ``carry``: hand rank 0's payload to every rank before each step,
+    as the DDP hook does during the backward."""
+    carried = [None]
+    for p in policies:
+        if carry:
+            p.sync_attached(lambda: carried[0])
+    t, persist_end, inflight, snap_stall = 0.0, float("-inf"), None, 0.0
+    took_by_rank = [[] for _ in policies]
+    base_time = 0.0
+    for s in range(start, start + steps):
+        if carry:  # the backward of step s carries rank 0's current proposal
+            carried[0] = policies[0].sync_payload()
+        it, stall = Ti + snap_stall, snap_stall
+        snap_stall = 0.0
+        decisions = [p.should_checkpoint(s) for p in policies]
+        assert len(set(decisions)) == 1, f"ranks disagree at step {s}: {decisions}"
+        took = decisions[0]
+        if took:
+            wait = max(0.0, persist_end - (t + it))
+            it, stall = it + wait, stall + wait
+            persist_end = t + it + Tsnap + Ts(s)
+            inflight = (persist_end, Tsnap + Ts(s))
+            snap_stall = To
+        t += it
+        base_time += Ti
+        done = None
+        if inflight is not None and inflight[0] <= t:
+            done, inflight = inflight[1], None
+        for r, p in enumerate(policies):
+            me = r == writer
+            p.observe(StepMeasurement(
+                step=s, iter_s=it, stall_s=stall, update_s=Tw, checkpointed=took,
+                snapshot_s=(Tsnap if took and me else None), snapshot_device=(p.mode if took and me else None),
+                persist_s=done if me else None, persist_bytes=1000 if (done and me) else None))
+            if took:
+                took_by_rank[r].append(s)
+    return took_by_rank, t, base_time
+
+
+def overhead(policy_factory, steps, **kw):
+    p = policy_factory()
+    _, t, base = simulate([p], steps, **kw)
+    return p, t / base - 1
+
+
+class Static:
+    """k fixed, as a user would hard-code it (after the same profiling)."""
+
+    def __init__(self, k):
+        self.k, self.mode = k, "cpu"
+
+    def should_checkpoint(self, step, *, epoch_end=False):
+        return step % self.k == 0
+
+    def observe(self, m):
+        pass
+
+
+# ---- profiling plan ---------------------------------------------------------------------------
+@pytest.mark.parametrize("ipe, steps", [(None, 50), (100, 10), (3000, 30), (10**6, 50), (1, 10)])
+def test_profile_length_is_one_percent_of_an_epoch_capped_at_50(ipe, steps):
+    assert profiler.profile_steps(ipe) == steps
+
+
+@pytest.mark.parametrize("gpu, plan", [
+    (False, {10: "cpu"}),
+    (True, {8: "gpu", 10: "cpu"}),
+])
+def test_profiling_snapshots_at_planned_steps_then_uses_k(gpu, plan):
+    p = Auto(profile_steps=10)
+    p.bind(PolicyContext(device="cuda" if gpu else "cpu", state_bytes=1000))
+    seen = {}
+    for s in range(1, 12):
+        if p.should_checkpoint(s):
+            seen[s] = p.mode
+        p.observe(StepMeasurement(step=s, iter_s=0.1, update_s=0.01, checkpointed=s in seen,
+                                  snapshot_s=0.01 if s in seen else None,
+                                  snapshot_device=seen.get(s), persist_s=0.3 if s == 11 else None,
+                                  persist_bytes=1000 if s == 11 else None))
+    assert seen == plan
+    assert p.k is None and p.phase == "profiling"
+    assert p.should_checkpoint(12) is False and p.k is not None and p.phase == "tuning"
+
+
+def test_gpu_snapshot_refused_falls_back_to_cpu_mode():
+    p = Auto(profile_steps=10)
+    p.bind(PolicyContext(device="cuda", state_bytes=1000))
+    for s in range(1, 13):
+        took = p.should_checkpoint(s)
+        p.observe(StepMeasurement(step=s, iter_s=0.1, update_s=0.01, checkpointed=took,
+                                  snapshot_s=0.01 if took else None, snapshot_device="cpu" if took else None,
+                                  persist_s=0.3 if s == 11 else None, persist_bytes=1000 if s == 11 else None))
+    assert p.k is not None and p.stats()["decision"]["mode"] == "cpu" and p.stats()["profile"]["Tg"] is None
+
+
+@pytest.mark.parametrize("M, mode", [(10 << 30, "gpu"), (79 << 30, "cpu")])
+def test_auto_picks_gpu_snapshots_when_free_gpu_memory_allows(monkeypatch, M, mode):
+    monkeypatch.setattr(profiler, "gpu_memory", lambda device: (M, 80 << 30))
+    p = Auto(profile_steps=10)
+    p.bind(PolicyContext(device="cuda", state_bytes=1 << 30))
+    simulate([p], 40, Tsnap=0.01, Ts=lambda s: 0.5)
+    assert p.stats()["decision"]["mode"] == mode and p.mode == mode
+
+
+# ---- the tuner, window by window --------------------------------------------------------------
+def _tuner(k=10, **cfg):
+    prof = Profile(Ti=0.1, Tw=0.01, Tc=0.01, Ts=0.5, m=1000)
+    return Tuner(TunerConfig(window_steps=50, **cfg), p=0.035, profile=prof, k=k, mode="cpu")
+
+
+def _feed(tuner, k, extra, intervals, start=1):
+    """``intervals`` intervals of ``k`` steps; the checkpoint step costs ``extra`` more."""
+    out, s = [], start
+    for _ in range(intervals):
+        for i in range(k):
+            last = i == k - 1
+            ch = tuner.observe(StepMeasurement(step=s, iter_s=0.1 + (extra if last else 0.0),
+                                               checkpointed=last, stall_s=extra if last else 0.0))
+            if ch:
+                out.append(ch)
+            s += 1
+    return out
+
+
+@pytest.mark.parametrize("extra, k_new", [
+    (0.1, 39),    # 10% > 3.5%: C = 0.1 s -> ceil(0.1 / (0.75 * 3.5% * 0.1 s)) = 39
+    (0.03, 12),   # 3% in the band: no change ... (see below, it needs the raise to be > p)
+    (0.05, 20),   # 5% > 3.5%: ceil(0.05 / 0.002625) = 20
+])
+def test_tuner_raises_in_one_step_to_the_target(extra, k_new):
+    t = _tuner()
+    changes = _feed(t, 10, extra, intervals=7)  # first interval only starts the count
+    if extra / 1.0 <= 0.035:
+        assert changes == []
+        return
+    assert [c.k_new for c in changes] == [k_new] and t.k == k_new
+    c = changes[0]
+    assert c.k_old == 10 and c.reason.startswith(f"k={k_new} because overhead=")
+    assert "Ti=0.1s" in c.reason and "Ts=0.5s" in c.reason and "p=3.5%" in c.reason
+    assert c.inputs["overhead"] == pytest.approx(extra / 1.0)
+
+
+def test_tuner_lowers_only_after_patience_and_never_below_the_persist_floor():
+    t = _tuner(k=100, max_factor=20)
+    # 0.2% overhead: well below 0.5 * 3.5%; floor = ceil((0.01 + 0.5) / 0.1) = 6
+    changes = _feed(t, 100, 0.02, intervals=3)
+    assert changes == []  # the first interval only starts the count; two windows < patience 3
+    changes = _feed(t, 100, 0.02, intervals=1, start=301)
+    # ceil(0.02 / (0.75 * 3.5% * 0.1)) = 8 (above the floor of 6)
+    assert [c.k_new for c in changes] == [8]
+    assert "for 3 windows" in changes[0].reason
+    # a persist that no longer fits in the interval floors the next lowering
+    t2 = _tuner(k=100, max_factor=20)
+    t2.Ts = 1.5
+    _feed(t2, 100, 0.0, intervals=3)
+    assert [c.k_new for c in _feed(t2, 100, 0.0, intervals=1, start=301)] == [16]  # ceil(1.51 / 0.1)
+
+    # one change divides k by at most max_factor
+    t3 = _tuner(k=100)
+    _feed(t3, 100, 0.0, intervals=3)
+    assert [c.k_new for c in _feed(t3, 100, 0.0, intervals=1, start=301)] == [12]
+
+
+def test_tuner_band_between_thresholds_is_stable():
+    t = _tuner(k=10)
+    assert _feed(t, 10, 0.025, intervals=200) == []  # 2.5%: between 1.75% and 3.5%
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(window_steps=0), "window_steps"),
+    (dict(lower_below=0.8, lower_target=0.75), "hysteresis"),
+    (dict(max_factor=1.0), "max_factor"),
+    (dict(ema=0.0), "ema"),
+])
+def test_tuner_config_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        TunerConfig(**kw)
+
+
+# ---- Auto end to end in virtual time ----------------------------------------------------------
+def test_slower_persist_raises_k_and_overhead_returns_to_budget(caplog):
+    slow_from = 3000
+    Ts = lambda s: 0.5 if s < slow_from else 2.5  # noqa: E731 - persist 5x slower mid-run
+    auto = Auto(max_overhead=0.035, profile_steps=20)
+    auto.bind(PolicyContext(state_bytes=1000))
+    with caplog.at_level(logging.INFO, logger="cfdist.policy"):
+        took, _, _ = simulate([auto], 3000, Ts=Ts)
+        k_before = auto.k
+        took2, _, _ = simulate([auto], 6000, Ts=Ts, start=3000)
+    assert auto.k > k_before  # k rose after the slowdown
+    assert auto.k >= -(-2.5 // 0.1)  # the persist fits in the interval again
+    raises = [c for c in auto.stats()["changes"] if c["k_old"] and c["k_new"] > c["k_old"]]
+    assert raises and all("because" in c["reason"] for c in raises)
+    assert any("because" in r.message and "p=3.5%" in r.message for r in caplog.records)
+    # overhead in the last 2000 steps is within the budget again
+    tail_auto = Auto(max_overhead=0.035, profile_steps=20)
+    tail_auto.bind(PolicyContext(state_bytes=1000, cached_profile=auto.profile_to_save() or _cache_of(auto)))
+    _, ov = overhead(lambda: tail_auto, 2000, Ts=lambda s: 2.5)
+    assert ov <= 0.035 * 1.05
+
+
+def _cache_of(auto):
+    d = auto._cache_dict(auto.k)
+    return d
+
+
+def test_static_k_balloons_where_adaptive_stays_in_budget():
+    fast, slow = (lambda s: 0.5), (lambda s: 2.5)
+    auto = Auto(max_overhead=0.035, profile_steps=20)
+    auto.bind(PolicyContext(state_bytes=1000))
+    simulate([auto], 2000, Ts=fast)
+    k0 = auto.k
+    _, ov_static_fast = overhead(lambda: Static(k0), 2000, Ts=fast)
+    _, ov_static_slow = overhead(lambda: Static(k0), 2000, Ts=slow)
+    _, t, base = simulate([auto], 4000, Ts=slow, start=2000)
+    _, t2, base2 = simulate([auto], 2000, Ts=slow, start=6000)
+    assert ov_static_fast <= 0.035
+    assert ov_static_slow > 3 * 0.035  # static k: each checkpoint waits for the slow persist
+    assert t2 / base2 - 1 <= 0.035     # adaptive: back within the budget
+
+
+def test_k_does_not_oscillate_under_steady_conditions():
+    auto = Auto(max_overhead=0.035, profile_steps=20)
+    auto.bind(PolicyContext(state_bytes=1000))
+    simulate([auto], 20000, To=0.05, Ts=lambda s: 0.5)
+    ks = [c["k_new"] for c in auto.stats()["changes"]]
+    assert len(ks) <= 3, ks  # profile decision plus at most a couple of corrections
+
+
+def test_restart_with_the_cached_profile_skips_profiling():
+    a = Auto(profile_steps=20)
+    ctx = PolicyContext(state_bytes=1000, world_size=1, batch_size=32)
+    a.bind(ctx)
+    simulate([a], 200)
+    saved = a.profile_to_save()
+    assert saved is not None and saved["key"] == profile_key(ctx) and saved["k"] == a.k
+    assert a.profile_to_save() is None  # once per change
+    b = Auto(profile_steps=20)
+    b.bind(PolicyContext(state_bytes=1000, world_size=1, batch_size=32, cached_profile=saved))
+    took, _, _ = simulate([b], 100, start=1201)
+    assert b.stats()["profile_from_cache"] and b.phase == "tuning"
+    assert took[0][0] == 1200 + a.k  # the first checkpoint is k steps after the restored step
+    assert b.stats()["changes"][0]["step"] == 1201 and "cached profile" in b.stats()["changes"][0]["reason"]
+
+
+def test_a_cached_profile_for_another_key_is_ignored(caplog):
+    a = Auto(profile_steps=20)
+    a.bind(PolicyContext(state_bytes=1000))
+    simulate([a], 200)
+    saved = a.profile_to_save()
+    b = Auto(profile_steps=20)
+    with caplog.at_level(logging.WARNING, logger="cfdist.policy"):
+        b.bind(PolicyContext(state_bytes=2000, cached_profile=saved))
+    assert not b.stats()["profile_from_cache"] and "profiling again" in caplog.text
+
+
+def test_mtbf_from_history_lengthens_k_and_reports_lost_work():
+    p0 = Auto(max_overhead=0.035, profile_steps=20)
+    p0.bind(PolicyContext(state_bytes=1000))
+    simulate([p0], 300, To=0.05)
+    p1 = Auto(max_overhead=0.035, profile_steps=20)
+    p1.bind(PolicyContext(state_bytes=1000, failure_times_s=[0.0, 50_000.0], now_s=100_000.0))
+    simulate([p1], 3000, To=0.05)
+    s = p1.stats()
+    assert s["mtbf_source"] == "history" and s["mtbf_s"] == pytest.approx(50_000.0)
+    assert s["decision"]["k_young"] is not None
+    # Young/Daly with the measured 0.05 s per checkpoint: sqrt(2 * 0.05 * 50000) / 0.1 = 707
+    assert p0.k < 100 and p1.k == pytest.approx(707, rel=0.05)
+    assert any("k_floor" in c["reason"] and "MTBF=5e+04s" in c["reason"] for c in s["changes"])
+    lost = s["expected_lost_work"]
+    assert lost["seconds"] == pytest.approx(p1.k * 0.1 / 2 + 0.02 + 0.5, rel=0.05)
+    assert lost["iterations"] == pytest.approx(lost["seconds"] / s["profile"]["Ti"], rel=0.2)
+
+
+def test_given_mtbf_wins_over_history():
+    p = Auto(mtbf_s=1000.0)
+    p.bind(PolicyContext(failure_times_s=[0.0], now_s=10.0))
+    assert p.stats()["mtbf_s"] == 1000.0 and p.stats()["mtbf_source"] == "given"
+
+
+def test_ranks_agree_through_the_carrier_even_when_only_rank_0_measures():
+    """Rank 1 never snapshots (not the writer): it follows rank 0's carried k, step for step."""
+    ranks = [Auto(profile_steps=20), Auto(profile_steps=20)]
+    for r, p in enumerate(ranks):
+        p.bind(PolicyContext(rank=r, world_size=2, state_bytes=1000))
+    Ts = lambda s: 0.5 if s < 1500 else 2.5  # noqa: E731
+    took, _, _ = simulate(ranks, 4000, Ts=Ts, carry=True)  # asserts agreement at every step
+    assert took[0] == took[1] and len(took[0]) > 20
+    assert ranks[0].k == ranks[1].k and ranks[0].k >= 25
+    ch0, ch1 = ranks[0].stats()["changes"], ranks[1].stats()["changes"]
+    assert [(c["step"], c["k_new"]) for c in ch0] == [(c["step"], c["k_new"]) for c in ch1]
+    assert all("carried from rank 0" in c["reason"] for c in ch1)
+
+
+def test_without_the_carrier_multi_rank_k_is_fixed_and_equal(caplog):
+    ranks = [Auto(unsynced_k=7), Auto(unsynced_k=7)]
+    for r, p in enumerate(ranks):
+        p.bind(PolicyContext(rank=r, world_size=2))
+    with caplog.at_level(logging.WARNING, logger="cfdist.policy"):
+        took, _, _ = simulate(ranks, 70)
+    assert took[0] == took[1] == list(range(7, 71, 7))
+    assert ranks[0].phase == "fixed" and "without the DDP sync hook" in caplog.text
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(max_overhead=3.5), "0.035 allows"),
+    (dict(mtbf_s=-1.0), "mtbf_s"),
+    (dict(profile_steps=3), "profile_steps"),
+    (dict(unsynced_k=0), "unsynced_k"),
+    (dict(tuning={"window_steps": 5}), "TunerConfig"),
+])
+def test_auto_config_validation_says_how_to_fix(kw, msg):
+    with pytest.raises((ValueError, TypeError), match=msg):
+        AutoConfig(**kw)
+
+
+def test_epoch_end_checkpoints_and_resets_the_interval():
+    p = Auto(profile_steps=10)
+    p.bind(PolicyContext(state_bytes=1000))
+    simulate([p], 100)
+    k = p.k
+    assert p.should_checkpoint(1000, epoch_end=True)
+    assert not any(p.should_checkpoint(1000 + i) for i in range(1, k))
+    assert p.should_checkpoint(1000 + k)
