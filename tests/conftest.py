@@ -42,6 +42,18 @@ _AWS_UNSET = (
 )
 
 
+# ``python -m moto.server`` that also dies with its parent on Linux (PR_SET_PDEATHSIG), so a
+# killed pytest leaves no server behind on a shared machine.
+_SERVER_MAIN = """
+import runpy, sys
+if sys.platform.startswith("linux"):
+    import ctypes, signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+sys.argv[0] = "moto.server"
+runpy.run_module("moto.server", run_name="__main__", alter_sys=True)
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,7 +114,7 @@ def s3_server(tmp_path_factory):
         log_path = tmp / f"moto-{port}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                [sys.executable, "-c", _SERVER_MAIN, "-H", "127.0.0.1", "-p", str(port)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         if _answers(proc, endpoint, timeout=30):
@@ -142,8 +154,8 @@ def s3_url(s3_storage_options):
     yield f"s3://{bucket}/prefix"
     try:
         fs.rm(bucket, recursive=True)
-    except OSError:
-        pass  # the server goes away at the end of the session anyway
+    except Exception:  # noqa: BLE001 - the server and its buckets go away with the session
+        pass
 
 
 @pytest.fixture

@@ -123,7 +123,8 @@ class ThrottledStorage(StorageWrapper):
 
     * ``factor`` - each chunk (and the final fsync/upload) takes ``factor`` times what the real
       backend took: sleeps ``(factor - 1) * measured``. ``None`` or 1: no slowdown.
-    * ``bytes_per_s`` - the write proceeds no faster than this rate.
+    * ``bytes_per_s`` - writes proceed no faster than this rate, all threads together (one
+      disk's bandwidth; wrap each disk of a striped set separately).
     * ``after_bytes`` - the first ``after_bytes`` bytes written through this wrapper (over its
       whole life, all files) go at full speed, like a write cache that then fills up.
 
@@ -144,6 +145,7 @@ class ThrottledStorage(StorageWrapper):
         self.set_factor(factor)
         self.set_bytes_per_s(bytes_per_s)
         self._clock, self._sleep = clock, sleep
+        self._free_at = float("-inf")  # when the simulated disk can take the next byte
         self.bytes_written = 0
         self.slept_s = 0.0
 
@@ -178,24 +180,29 @@ class ThrottledStorage(StorageWrapper):
             self._bytes_per_s = bytes_per_s
 
     def _extra(self, nbytes: int, seconds: float, *, tail: bool = False) -> float:
-        """Seconds to sleep after the backend took ``seconds`` for ``nbytes`` (counted here)."""
+        """Seconds to sleep after the backend took ``seconds`` for ``nbytes`` (counted here).
+
+        The rate cap is shared by all threads writing through this wrapper, like a disk's
+        bandwidth: each chunk books its transfer time on one timeline (``_free_at``).
+        """
         with self._lock:
             before = self.bytes_written
             if not tail:
                 self.bytes_written += nbytes
             after = self.bytes_written
             factor, bps = self._factor, self._bytes_per_s
-        if tail:  # fsync/upload after the last chunk: slowed once the threshold is behind us
-            share = 1.0 if self.after_bytes == 0 or after > self.after_bytes else 0.0
-            slow = 0
-        else:
-            slow = max(0, after - max(before, self.after_bytes))
-            share = slow / nbytes if nbytes else 0.0
-        extra = 0.0
-        if factor and share:
-            extra = (factor - 1) * seconds * share
-        if bps and slow:
-            extra = max(extra, slow / bps - seconds * share)
+            if tail:  # fsync/upload after the last chunk: slowed once past the burst
+                share = 1.0 if self.after_bytes == 0 or after > self.after_bytes else 0.0
+                slow = 0
+            else:
+                slow = max(0, after - max(before, self.after_bytes))
+                share = slow / nbytes if nbytes else 0.0
+            extra = (factor - 1) * seconds * share if factor and share else 0.0
+            if bps and slow:
+                now = self._clock()
+                start = max(self._free_at, now - seconds * share)  # when this transfer began
+                self._free_at = start + slow / bps
+                extra = max(extra, self._free_at - now)
         return extra
 
     def _pause(self, seconds: float) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import pickle
 import posixpath
+import subprocess
+import sys
 import threading
 
 import fsspec
@@ -249,3 +251,21 @@ def test_path_stays_under_the_root_or_raises(segments):
     assert depth >= 0, rel
     assert p == "/root" or p.startswith("/root/")
     assert ".." not in p.split("/")
+
+
+def test_s3_fixture_reaches_the_server_from_a_child_process_with_dummy_credentials(s3_url):
+    """The fixture's environment is what a writer process or a Ray worker inherits: plain s3fs,
+    no options, finds the local server and resolves only the dummy credentials."""
+    st = open_storage(s3_url)
+    st.write_file("k", [b"from the parent"])
+    child = (
+        "import sys, s3fs\n"
+        "fs = s3fs.S3FileSystem()\n"
+        "print(fs.cat_file(sys.argv[1]).decode())\n"
+        "import botocore.session\n"
+        "print(botocore.session.get_session().get_credentials().access_key)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", child, st.path("k")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["from", "the", "parent", "testing"]

@@ -240,6 +240,19 @@ def test_throttle_really_sleeps(local):
     assert time.perf_counter() - t0 >= 0.2 and slow.slept_s > 0.15
 
 
+def test_bytes_per_s_is_shared_by_concurrent_writers(local):
+    slow = throttle(local, bytes_per_s=2_000_000)
+    threads = [threading.Thread(target=slow.write_file, args=(f"t{i}", [b"x" * 50_000] * 2))
+               for i in range(2)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # 200 kB at 2 MB/s: 0.1 s together (each thread alone would need only 0.05 s)
+    assert time.perf_counter() - t0 >= 0.099 and slow.bytes_written == 200_000
+
+
 # ---- both -----------------------------------------------------------------------------------------
 def test_wrappers_nest_and_pickle(st):
     both = throttle(faulty(st, fail_every_n_writes=2), factor=1.0)
