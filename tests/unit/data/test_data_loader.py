@@ -230,3 +230,13 @@ def test_loader_refuses_arguments_that_would_break_its_order():
         ResumableLoader(Indexed(5), 2, sampler=range(5))
     with pytest.raises(TypeError, match="generator"):
         ResumableLoader(Indexed(5), 2, generator=torch.Generator())
+
+
+def test_reiterating_mid_epoch_continues_with_persistent_workers():
+    ref = [b.tolist() for _ in range(3) for b in ResumableLoader(Indexed(30), 4, seed=1)]
+    loader = ResumableLoader(Indexed(30), 4, seed=1, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    got = [next(it).tolist(), next(it).tolist()]  # then abandon this iterator mid-epoch
+    for _ in range(3):
+        got += [b.tolist() for b in loader]  # continues epoch 0, then epochs 1 and 2
+    assert got == ref
