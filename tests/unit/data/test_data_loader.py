@@ -233,7 +233,8 @@ def test_loader_refuses_arguments_that_would_break_its_order():
 
 
 def test_reiterating_mid_epoch_continues_with_persistent_workers():
-    ref = [b.tolist() for _ in range(3) for b in ResumableLoader(Indexed(30), 4, seed=1)]
+    plain = ResumableLoader(Indexed(30), 4, seed=1)
+    ref = [b.tolist() for _ in range(3) for b in plain]
     loader = ResumableLoader(Indexed(30), 4, seed=1, num_workers=2, persistent_workers=True)
     it = iter(loader)
     got = [next(it).tolist(), next(it).tolist()]  # then abandon this iterator mid-epoch
