@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from cfdist.data.cursor import EpochCursor
 from cfdist.data.hooks import BeforeNextHooks
@@ -86,6 +86,11 @@ class ResumableLoader(BeforeNextHooks):
             raise TypeError(
                 f"ResumableLoader decides {owned} itself (its order must be a function of seed and "
                 "epoch to resume exactly); use batch_size/seed/shuffle/drop_last instead"
+            )
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise TypeError(
+                f"ResumableLoader needs a map-style dataset (__getitem__ and __len__), got "
+                f"{type(dataset).__name__}: resuming by index is what makes it exactly-once"
             )
         rank, world_size = resolve_world(rank, world_size)
         self.dataset = dataset

@@ -231,6 +231,13 @@ def test_loader_refuses_arguments_that_would_break_its_order():
     with pytest.raises(TypeError, match="generator"):
         ResumableLoader(Indexed(5), 2, generator=torch.Generator())
 
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    with pytest.raises(TypeError, match="map-style"):
+        ResumableLoader(Stream(), 2)
+
 
 def test_reiterating_mid_epoch_continues_with_persistent_workers():
     plain = ResumableLoader(Indexed(30), 4, seed=1)
