@@ -141,11 +141,13 @@ class Checkpointer:
         latest = discovery.find_latest([self.storages])
         self.latest_step: int | None = latest.step if latest else None
         self._hooks = []
+        self._fetch_hooked = False   # a data iterator calls _on_boundary before each fetch
         for k, obj in state.items():
             if isinstance(obj, torch.nn.Module):
                 self._hooks.append(obj.register_forward_pre_hook(self._on_boundary))
             elif hasattr(obj, "register_before_next_hook"):
                 self._hooks.append(obj.register_before_next_hook(self._on_boundary))
+                self._fetch_hooked = True
         self._bind_policy()
 
     # ---- policy wiring -------------------------------------------------------------------------
@@ -339,6 +341,10 @@ class Checkpointer:
         skeleton, tensors = flatten(early)
         self._pending = {"step": self._step, "epoch": self._epoch(), "epoch_end": epoch_end,
                          "skeleton": skeleton}
+        if not self._fetch_hooked:
+            # The next forward comes after the next fetch, which may draw from the RNG
+            # (augmentation); in the ordinary loop nothing else draws before it.
+            self._pending["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
         self._stats["snapshots"] += 1
         if self.writer:
             mode = getattr(self.policy, "mode", "cpu")
@@ -356,7 +362,9 @@ class Checkpointer:
         self._pending = None
         late = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.LATE}
         p["late"], _ = flatten(late, inline_tensors=True)
-        p["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
+        st.refresh_optimizer_groups(p["skeleton"], self.state)   # lr after sched.step()
+        if "rng" not in p:
+            p["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
         if self.writer:
             with self._lock:
                 self._ready = p

@@ -7,7 +7,10 @@ Entries are captured at two instants of the same step boundary (invariant 3):
   "after batch i" only before the next batch is fetched);
 * **late** (at the boundary: before the next batch is fetched, before the next forward, or at
   the next checkpointer call, whichever comes first): everything else with a ``state_dict``
-  (schedulers step *after* ``ckpt.step``), plain values, and the RNG states.
+  (schedulers step *after* ``ckpt.step``), plain values, the optimizers' ``param_groups``
+  (a scheduler rewrites their ``lr``), and the RNG states. The RNG is captured early instead
+  when no data iterator announces the next fetch (``register_before_next_hook``): the next
+  forward comes after that fetch, which may already have drawn from the RNG (augmentation).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError
 
 EARLY, LATE = "early", "late"
@@ -56,6 +60,20 @@ def capture(obj: Any) -> Any:
     if hasattr(obj, "state_dict") and not isinstance(obj, (dict, list, tuple)):
         return obj.state_dict()
     return obj
+
+
+def refresh_optimizer_groups(skeleton: dict, state: dict) -> None:
+    """Re-capture every optimizer's ``param_groups`` (lr, betas, ...) into an early ``skeleton``.
+
+    The optimizer's tensors are captured right after its step, but a scheduler stepped after
+    ``ckpt.step(opt)`` then rewrites ``param_groups[i]["lr"]``; the checkpoint must hold the lr
+    the next step uses, like the scheduler's own (late) state. In place; plain values only.
+    """
+    top = dict(skeleton["__items__"]) if set(skeleton) == {"__items__"} else skeleton
+    for k, obj in state.items():
+        saved = top.get(k)
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict) and "param_groups" in saved:
+            saved["param_groups"], _ = flatten(obj.state_dict()["param_groups"], inline_tensors=True)
 
 
 def rng_state() -> dict:

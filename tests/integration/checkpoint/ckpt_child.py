@@ -1,0 +1,250 @@
+"""Training programs that checkpoint integration tests run in child processes and SIGKILL.
+
+Not a test module. Run as a *fork server* (``python ckpt_child.py``): it imports torch and
+cfdist once, then reads one JSON command per line on stdin and answers one JSON line on stdout:
+
+* ``{"op": "start", "prog": "crash"|"bitexact", "args": {...}}`` -> ``{"pid": N}``: forks a
+  child that runs the program and ``_exit``\\ s (0 on success, 1 with ``<out>/error-<run>.txt``);
+* ``{"op": "poll", "pid": N}`` -> ``{"pid": N, "code": rc}``: ``rc`` is None while it runs, the
+  exit status once it ended (``-9`` after SIGKILL), and the child is reaped then;
+* ``{"op": "quit"}``.
+
+A forked child is a real process with its own threads (the checkpointer's snapshot and persist
+threads start after the fork), so SIGKILL stops it at an arbitrary instant, writes in flight
+included; forking saves the ~2 s torch import per run that 20+ restarts would otherwise cost.
+Children report through small JSON files under ``args["out"]``, written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import traceback
+import warnings
+
+import numpy as np
+import torch
+
+import cfdist
+from cfdist.checkpoint import discovery
+from cfdist.checkpoint.format import TMP_MARK, parse_step_dir
+from cfdist.storage import open_storage
+
+
+def report(out: str, name: str, data: dict) -> None:
+    tmp = os.path.join(out, f".{name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, os.path.join(out, name))
+
+
+def leftovers(url: str) -> list[str]:
+    """Staging dirs and uncommitted step dirs at the root of ``url``."""
+    st = open_storage(url)
+    committed = set(discovery.committed_steps(st))
+    return [n for n in st.listdir("") if TMP_MARK in n
+            or (parse_step_dir(n) is not None and parse_step_dir(n) not in committed)]
+
+
+# ---- crash consistency -----------------------------------------------------------------------
+
+def crash(a: dict) -> None:
+    """A 1M-parameter MLP under Adam (about 12 MB of state per checkpoint), ``Every(k)``.
+
+    Restores, reports what it restored, then trains until killed (or ``a["steps"]`` more steps,
+    then closes and reports again). Batches come from a generator seeded by the step number, so
+    the run needs no data state.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, a["url"], cfdist.Every(a["k"]),
+                                   keep=a.get("keep", 1))
+        left = leftovers(a["url"])
+        restored = ckpt.restore()
+    osd = opt.state_dict()["state"]
+    report(a["out"], f"restore-{a['run']}.json", {
+        "restored": restored, "leftovers_after_start": left,
+        "warnings": [str(w.message) for w in caught],
+        "adam_steps": sorted({int(s["step"].item()) for s in osd.values()}),
+    })
+    start = restored or 0
+    end = start + a["steps"] if a.get("steps") else None
+    i = start
+    while end is None or i < end:
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(4, 512, generator=g)
+        loss = (model(x) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        ckpt.step(opt)
+        i += 1
+    ckpt.close()
+    report(a["out"], f"done-{a['run']}.json", {"step": i, "stats": {k: v for k, v in ckpt.stats.items()
+                                                                    if isinstance(v, (int, float, str))}})
+
+
+# ---- bit-exact resume ------------------------------------------------------------------------
+
+N_SAMPLES, BATCH, DIM = 48, 8, 16
+
+
+def dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_SAMPLES, DIM, generator=g)
+    return x, (x[:, :4].sum(1) > 0).long()
+
+
+class AugmentedData:
+    """A tiny resumable data iterator: ``state_dict``/``load_state_dict``/``__iter__`` only.
+
+    Each batch is augmented with noise from the *global* torch RNG (as transforms do), so the
+    RNG state the checkpoint holds must be the one before the next batch is fetched. The order
+    of an epoch is a function of (seed, epoch); the position is the batch index in the epoch.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.x, self.y = dataset(seed)
+        self.epoch, self.pos = 0, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
+
+    def __iter__(self):
+        if self.pos * BATCH >= N_SAMPLES:
+            self.epoch, self.pos = self.epoch + 1, 0
+        perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+        while self.pos * BATCH < N_SAMPLES:
+            idx = perm[self.pos * BATCH:(self.pos + 1) * BATCH]
+            self.pos += 1
+            yield self.x[idx] + 0.1 * torch.randn(len(idx), DIM), self.y[idx]
+
+
+class AugmentedSet(torch.utils.data.Dataset):
+    """The same samples for ``ResumableLoader``; ``__getitem__`` augments with the global RNG."""
+
+    def __init__(self, seed: int):
+        self.x, self.y = dataset(seed)
+
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(DIM), self.y[i]
+
+
+def bitexact(a: dict) -> None:
+    """Deterministic training: dropout, Adam, ExponentialLR stepped after ``ckpt.step``.
+
+    ``a["url"]`` None: the uninterrupted reference with a plain ``opt.step()``. Otherwise a
+    checkpointed run (``Every(k)``) that restores first and, if ``a["die"] = [step, phase]``,
+    SIGKILLs itself at that step: ``"mid"`` after backward (before the optimizer step),
+    ``"post"`` right after ``ckpt.step`` (a snapshot or persist may be in flight). A run that
+    reaches ``a["total"]`` steps saves its final state to ``<out>/final-<run>.pt``.
+    """
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(a["seed"])
+    random.seed(a["seed"])
+    np.random.seed(a["seed"])
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(32, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.93)
+    if a["loader"] == "resumable":
+        from cfdist.data import ResumableLoader
+        data = ResumableLoader(AugmentedSet(a["seed"]), BATCH, seed=a["seed"], rank=0, world_size=1)
+    else:
+        data = AugmentedData(a["seed"])
+    ckpt, step = None, 0
+    if a["url"] is not None:
+        ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched, "data": data},
+                                   a["url"], cfdist.Every(a["k"]), keep=2)
+        step = ckpt.restore() or 0
+        report(a["out"], f"restore-{a['run']}.json", {"restored": step})
+    die = a.get("die")
+    while step < a["total"]:
+        for x, y in data:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            if die and die[0] == step + 1 and die[1] == "mid":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if ckpt is not None:
+                ckpt.step(opt)
+            else:
+                opt.step()
+            sched.step()
+            step += 1
+            if die and die[0] == step and die[1] == "post":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step >= a["total"]:
+                break
+    if ckpt is not None:
+        ckpt.close()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
+                "data": data.state_dict(), "rng": torch.get_rng_state()},
+               os.path.join(a["out"], f"final-{a['run']}.pt"))
+
+
+PROGRAMS = {"crash": crash, "bitexact": bitexact}
+
+
+def _child(prog: str, args: dict) -> None:
+    code = 0
+    try:
+        sys.stdin.close()
+        PROGRAMS[prog](args)
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails on it
+        code = 1
+        try:
+            with open(os.path.join(args["out"], f"error-{args.get('run', 0)}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+        except OSError:
+            pass
+    os._exit(code)
+
+
+def warm_up() -> None:
+    """Do once, before forking, what would otherwise cost every child seconds: the optimizers
+    import torch._dynamo lazily on first use. One thread, so no thread pool exists at fork."""
+    torch.set_num_threads(1)
+    lin = torch.nn.Linear(2, 2)
+    for opt in (torch.optim.Adam(lin.parameters()), torch.optim.SGD(lin.parameters(), lr=0.1)):
+        lin(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        torch.optim.lr_scheduler.ExponentialLR(opt, 0.9).step()
+
+
+def serve() -> None:
+    warm_up()
+    out = sys.stdout
+    sys.stdout = sys.stderr  # nothing but answers on the command pipe
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "start":
+            pid = os.fork()
+            if pid == 0:
+                _child(cmd["prog"], cmd["args"])
+            answer = {"pid": pid}
+        elif cmd["op"] == "poll":
+            pid, status = os.waitpid(cmd["pid"], os.WNOHANG)
+            answer = {"pid": cmd["pid"], "code": os.waitstatus_to_exitcode(status) if pid else None}
+        elif cmd["op"] == "quit":
+            break
+        else:
+            answer = {"error": f"unknown op {cmd['op']!r}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    serve()
