@@ -287,11 +287,17 @@ class DALIResumableIterator(BeforeNextHooks):
                 "pipeline_iter": self._dali_iter,
                 "pipeline_seed": self._pipeline_seed,
             }
-        elif self._pending is not None:
-            dali = {k: self._pending[k] for k in ("checkpoint", "pipeline_epoch", "pipeline_iter", "pipeline_seed")}
-        else:
-            dali = {"checkpoint": None, "pipeline_epoch": 0, "pipeline_iter": 0, "pipeline_seed": self._fresh_seed()}
-        return {**self._cursor.state().to_dict(), "dali": {"rank": lay.rank, "world_size": lay.world_size, **dali}}
+        elif self._pending is not None:  # loaded, not built yet: hand the same state on
+            dali = {k: self._pending[k] for k in _DALI_KEYS if k not in ("rank", "world_size")}
+        else:  # never built: the pipeline a restore builds is the one this iterator would build
+            dali = {
+                "checkpoint": None,
+                "pipeline_epoch": 0,
+                "pipeline_iter": 0,
+                "pipeline_seed": self._fresh_seed(),
+            }
+        position = self._cursor.state().to_dict()
+        return {**position, "dali": {"rank": lay.rank, "world_size": lay.world_size, **dali}}
 
     def load_state_dict(self, state: dict, *, strict: bool = True) -> None:
         """Resume from ``state``; see :meth:`ResumableLoader.load_state_dict`. The DALI part is
@@ -316,14 +322,17 @@ class DALIResumableIterator(BeforeNextHooks):
             )
 
 
+_DALI_KEYS = ("rank", "world_size", "pipeline_epoch", "pipeline_iter", "pipeline_seed", "checkpoint")
+
+
 def _check_dali_part(dali: object) -> None:
-    keys = {"rank": int, "world_size": int, "pipeline_epoch": int, "pipeline_iter": int, "pipeline_seed": int}
-    ok = isinstance(dali, dict) and all(
-        isinstance(dali.get(k), t) and not isinstance(dali.get(k), bool) for k, t in keys.items()
-    )
+    def is_count(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    ok = isinstance(dali, dict) and all(is_count(dali.get(k)) for k in _DALI_KEYS[:-1])
     ok = ok and (dali.get("checkpoint") is None or isinstance(dali.get("checkpoint"), str))
     if not ok:
         raise IncompatibleDataState(
-            f"the 'dali' part of the data state is malformed: {dali!r:.200}; pass the dict returned "
-            "by DALIResumableIterator.state_dict()"
+            f"the 'dali' part of the data state is malformed: {dali!r:.200}; pass the dict "
+            "returned by DALIResumableIterator.state_dict()"
         )

@@ -144,6 +144,15 @@ def test_other_files_are_refused_by_fingerprint(jpegs):
         make(other).load_state_dict(state)
 
 
+def test_malformed_dali_part_is_refused(jpegs):
+    it = make(jpegs)
+    state = it.state_dict()  # before any batch: no checkpoint yet, a derived seed
+    assert state["dali"]["checkpoint"] is None and state["consumed"] == 0
+    state["dali"]["pipeline_iter"] = "3"
+    with pytest.raises(IncompatibleDataState, match="'dali' part"):
+        make(jpegs).load_state_dict(state)
+
+
 def test_generic_graph_and_uneven_outputs_are_reported(jpegs):
     def graph(encoded, labels):
         from nvidia.dali import fn
