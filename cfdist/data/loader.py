@@ -46,7 +46,8 @@ class ResumableLoader(BeforeNextHooks):
 
         loader = ResumableLoader(ds, 32, seed=1)            # rank/world from torch.distributed
         loader.load_state_dict(manifest["data"])            # optional: resume mid-epoch
-        for epoch in range(loader.epoch, epochs):
+        start = loader.epoch + loader.at_epoch_end()        # a finished epoch is not redone
+        for epoch in range(start, epochs):
             for batch in loader:                            # each __iter__ after a finished
                 ...                                         # epoch starts the next one
 
