@@ -371,24 +371,31 @@ class Checkpointer:
             self._try_submit()
 
     def _try_submit(self) -> None:
+        """Submit the captured snapshot once its copy reached host memory.
+
+        Runs on the training thread and on the snapshot thread (when the copy finishes). Taking
+        ``_ready`` and recording ``_inflight`` is one locked step: otherwise the training thread
+        could see neither, start the next copy into arenas a persist is still reading, and
+        drop that persist's handle (lost count, lost error).
+        """
         with self._lock:
-            p = self._ready
-            if p is None or self._snap_host_future is None or not self._snap_host_future.done():
+            p, fut = self._ready, self._snap_host_future
+            if p is None or fut is None or not fut.done():
                 return
             self._ready = None
-        if self._snap_host_future.exception() is not None:
-            self._record_error(self._snap_host_future.exception(), p["step"])
-            return
-        self._stats["snapshot_s"] += self._snap.last_copy_s or 0.0
-        shards = [ShardJob(index=i, count=len(self._snap.layout), root=i % len(self.storages),
-                           nbytes=self._snap.host[i].nbytes, entries=es, arena_path=self._snap.host[i].path)
-                  for i, es in enumerate(self._snap.layout)]
-        manifest = {"epoch": p["epoch"], "epoch_end": p["epoch_end"], "world_size": self.world_size,
-                    "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"]}
-        job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
-                         keep_epoch_ends=self.config.keep_epoch_ends,
-                         arenas=[a.buf for a in self._snap.host])
-        self._inflight = self.backend.submit(job)
+            if fut.exception() is not None:
+                self._record_error(fut.exception(), p["step"])
+                return
+            self._stats["snapshot_s"] += self._snap.last_copy_s or 0.0
+            shards = [ShardJob(index=i, count=len(self._snap.layout), root=i % len(self.storages),
+                               nbytes=self._snap.host[i].nbytes, entries=es, arena_path=self._snap.host[i].path)
+                      for i, es in enumerate(self._snap.layout)]
+            manifest = {"epoch": p["epoch"], "epoch_end": p["epoch_end"], "world_size": self.world_size,
+                        "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"]}
+            job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
+                             keep_epoch_ends=self.config.keep_epoch_ends,
+                             arenas=[a.buf for a in self._snap.host])
+            self._inflight = self.backend.submit(job)   # non-blocking by the backend protocol
 
     def _record_error(self, e: BaseException, step: int) -> None:
         self._stats["errors"] += 1
@@ -400,10 +407,11 @@ class Checkpointer:
 
     def _harvest(self) -> None:
         """Collect a finished persist (non-blocking)."""
-        p = self._inflight
-        if p is None or not p.done():
-            return
-        self._inflight = None
+        with self._lock:   # the snapshot thread may be recording the next persist
+            p = self._inflight
+            if p is None or not p.done():
+                return
+            self._inflight = None
         try:
             info = p.wait()
         except BaseException as e:  # noqa: BLE001 - re-raised by wait()

@@ -1,0 +1,102 @@
+"""Consistent snapshot (invariant 3): each checkpoint is the state at the end of its iteration."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import cfdist
+from cfdist.checkpoint.discovery import committed_steps
+from cfdist.storage import open_storage
+from cfdist.storage.faults import throttle
+
+
+def _model(width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+
+
+def _run(ckpt, model, opt, sched, steps: int, every: int) -> dict[int, dict]:
+    """The ordinary loop; at every checkpoint step i, deep copies of what the checkpoint must hold:
+    the state right after optimizer step i, the scheduler after its step i, the RNG before forward i+1."""
+    g = torch.Generator().manual_seed(1)
+    want: dict[int, dict] = {}
+    for i in range(1, steps + 1):
+        x = torch.randn(8, 16, generator=g)        # no draw from the global RNG: only dropout draws
+        if i - 1 in want:
+            want[i - 1]["rng"] = torch.get_rng_state()
+        model(x).pow(2).mean().backward()
+        ckpt.step(opt)
+        if i % every == 0:
+            want[i] = {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(opt.state_dict()["state"])}
+        sched.step()
+        if i % every == 0:
+            want[i]["sched"] = copy.deepcopy(sched.state_dict())
+            want[i]["lr"] = [grp["lr"] for grp in opt.param_groups]
+        opt.zero_grad()
+    want[steps]["rng"] = torch.get_rng_state()
+    ckpt.close()
+    return want
+
+
+def _assert_checkpoint_is(got: dict, want: dict, step: int) -> None:
+    for name, t in want["model"].items():
+        assert torch.equal(got["state"]["model"][name], t), f"step {step}: {name} is not the one after update {step}"
+    for i, s in want["optim"].items():
+        for key, t in s.items():
+            assert torch.equal(got["state"]["optim"]["state"][i][key], t), f"step {step}: optimizer {i}.{key}"
+    assert got["state"]["sched"] == want["sched"], f"step {step}: scheduler is not the one after its step {step}"
+    assert [grp["lr"] for grp in got["state"]["optim"]["param_groups"]] == want["lr"]
+    assert torch.equal(got["rng"]["torch"], want["rng"]), f"step {step}: RNG is not the one before forward {step + 1}"
+
+
+def test_snapshot_is_the_end_of_its_iteration_while_training_runs_ahead(memory_url):
+    """Checkpoints taken while training continues hold exactly the end of their own iteration.
+
+    Real: the Checkpointer with its snapshot thread and thread persist backend, a model with
+    dropout, Adam, StepLR stepped after ``ckpt.step(opt)``, ``memory://`` storage.
+    Faked: a slow disk (``throttle``, 8 MB/s), so each persist spans several training steps
+    and training keeps mutating the parameters while the checkpoint is still being written.
+    The point: every committed checkpoint equals deep copies taken right after its optimizer
+    step (parameters, Adam moments), the scheduler (and the lr) after its step, and the RNG as
+    it was before the next forward.
+    """
+    model = _model(128)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    slow = throttle(open_storage(memory_url), bytes_per_s=8e6)
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, slow, cfdist.Every(3), keep=100)
+    want = _run(ckpt, model, opt, sched, steps=15, every=3)
+    assert slow.slept_s > 0.05       # the disk was slow enough for steps to run ahead of persists
+    assert committed_steps(slow) == [3, 6, 9, 12, 15]
+    for step, w in want.items():
+        _assert_checkpoint_is(cfdist.load(memory_url, step=step), w, step)
+
+
+@pytest.mark.parametrize("rounds", [3])
+def test_checkpoint_every_step_never_mixes_or_drops_a_step(memory_url, rounds):
+    """``Every(1)`` on a fast store: every step is committed, each one exactly that step.
+
+    Real: the Checkpointer's snapshot thread, its copy-finished callback that submits the persist,
+    the persist thread, and ``memory://`` storage; SGD with momentum so each update is quick and
+    the next checkpoint begins as soon as possible after the previous copy finished.
+    Faked: nothing.
+    The point: all steps are committed (none abandoned: one persist in flight, never lost) and
+    each checkpoint equals the copy of its own step, never one mutated by the next update.
+    """
+    steps = 25
+    for r in range(rounds):
+        url = f"{memory_url}/r{r}"
+        model = _model(256)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+        ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(1),
+                                   keep=1000)
+        want = _run(ckpt, model, opt, sched, steps=steps, every=1)
+        assert ckpt.stats["checkpoints"] == steps and ckpt.stats["errors"] == 0
+        assert committed_steps(open_storage(url)) == list(range(1, steps + 1))
+        for step, w in want.items():
+            _assert_checkpoint_is(cfdist.load(url, step=step), w, step)
