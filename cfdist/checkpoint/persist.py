@@ -3,13 +3,16 @@
 :func:`write_checkpoint` is the whole protocol and runs in any process (the training process's
 writer thread, a writer subprocess, a Ray node actor):
 
+0. a step directory of the same number, left by a run that rolled back past it, is un-committed
+   and removed (the previous checkpoint, older, stays);
 1. every shard is streamed from its arena into ``<staging>/shard-i-of-n.safetensors`` on its
    root (roots in parallel), computing each tensor's xxh3-64 on the way; files are fsynced;
 2. the secondary roots' step directories are published (a rename locally);
 3. ``MANIFEST.json`` is written into root 0's staging directory and fsynced, and that directory
    is published: **this is the commit**. On object stores there is no rename: the manifest
    PUT, written last, is the commit marker;
-4. only then retention deletes older checkpoints (never the one just committed).
+4. only then retention deletes older checkpoints (never the one just committed), and newer-
+   numbered ones of a rolled-back run.
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
@@ -111,6 +114,11 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     """
     t0 = time.perf_counter()
     final = step_dir(job.step)
+    if any(st.exists(final) for st in storages):
+        # Left by a run that rolled back past this step (restore rejected or skipped it): it
+        # would block the publish, and on object stores new shards would land under its manifest.
+        log.warning("replacing step %d in %s, left by a run that rolled back past it", job.step, storages[0].url)
+        retention.delete_checkpoint(storages, job.step)
     arenas = job.arenas
     if arenas is None:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]

@@ -2,7 +2,9 @@
 
 Rules: keep the newest ``keep`` committed checkpoints; keep epoch-boundary checkpoints unless
 ``keep_epoch_ends=False``; never delete the newest committed one. Called only right after a
-commit, so nothing is deleted before a newer checkpoint is safe (invariant 2).
+commit, so nothing is deleted before a newer checkpoint is safe (invariant 2). Steps numbered
+above the one just committed were left by a run that rolled back past them (restore rejected
+or skipped them): they are deleted too, or the next restore would pick them over newer work.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from cfdist.checkpoint.format import MANIFEST, step_dir
 log = logging.getLogger("cfdist.retention")
 
 
-def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: bool) -> list[int]:
-    """Steps to delete, given ``(step, is_epoch_end)`` of every committed checkpoint."""
+def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: bool,
+                     newest: int | None = None) -> list[int]:
+    """Steps to delete, given ``(step, is_epoch_end)`` of every committed checkpoint.
+
+    ``newest``: the step just committed; committed steps above it are from a rolled-back run.
+    """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    steps = sorted(committed, reverse=True)
+    stale = [s for s, _ in committed if newest is not None and s > newest]
+    steps = sorted((c for c in committed if c[0] not in stale), reverse=True)
     kept_newest = {s for s, _ in steps[:keep]}
-    return sorted(s for s, ee in steps if s not in kept_newest and not (keep_epoch_ends and ee))
+    return sorted(stale + [s for s, ee in steps if s not in kept_newest and not (keep_epoch_ends and ee)])
 
 
 # step -> is_epoch_end, per storage URL: manifests are read once per process, not at every commit.
@@ -60,7 +67,8 @@ def apply(storages, *, keep: int, keep_epoch_ends: bool, newest: int, newest_epo
     with _LOCK:
         _EPOCH_END.setdefault(storages[0].url, {})[newest] = newest_epoch_end
     committed = [(s, _is_epoch_end(storages[0], s)) for s in committed_steps(storages[0])]
-    doomed = [s for s in choose_deletions(committed, keep=keep, keep_epoch_ends=keep_epoch_ends) if s != newest]
+    doomed = [s for s in choose_deletions(committed, keep=keep, keep_epoch_ends=keep_epoch_ends, newest=newest)
+              if s != newest]
     for s in doomed:
         try:
             delete_checkpoint(storages, s)

@@ -1,0 +1,199 @@
+"""Corruption and safety (invariants 1 and 7): damaged checkpoints are refused, never half-loaded.
+
+Each test writes two real checkpoints (steps 2 and 4, ``keep=2``) to ``file://`` storage with
+the Checkpointer, damages the newest on disk the way a failing disk, a truncating copy or an
+attacker would, and restores into fresh live objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import warnings
+
+import pytest
+import torch
+
+import cfdist
+from cfdist.checkpoint.format import MANIFEST, CheckpointError, step_dir
+
+SHARD = "shard-00000-of-00001.safetensors"
+
+
+@pytest.fixture
+def ckpts(tmp_path, mlp_state, train):
+    """``(url, root)`` holding committed steps 2 and 4 of a small MLP/Adam/StepLR run."""
+    root = tmp_path / "ckpt"
+    url = f"file://{root}"
+    model, opt, sched = mlp_state()
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(2), keep=2)
+    train(model, opt, ckpt, 4, sched)
+    ckpt.close()
+    assert [c["step"] for c in cfdist.list_checkpoints(url)] == [2, 4]
+    return url, root
+
+
+def restore_fresh(url, mlp_state, **kw):
+    """A fresh state (other seed) restored from ``url``: (step, warnings, model, checkpointer)."""
+    model, opt, sched = mlp_state(seed=123)
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(2), keep=2, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = ckpt.restore()
+    return step, [str(w.message) for w in caught], model, ckpt
+
+
+def assert_model_is_step(model, url, step):
+    want = cfdist.load(url, step=step)["state"]["model"]
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, want[name]), name
+
+
+def test_flipped_bytes_fall_back_to_the_previous_checkpoint_with_file_and_checksums(ckpts, mlp_state, train):
+    """A bit flip in the newest shard is detected by its checksum; restore falls back one step.
+
+    Real: checkpoints written by the Checkpointer, xxh3 verification on restore, the fallback.
+    Faked: the corruption (three bytes XORed near the end of step 4's shard, inside tensor data).
+    The point: the warning names the shard file and both checksums, step 2 is loaded exactly,
+    and training from there commits step 4 again over the rejected one (no "already exists").
+    """
+    url, root = ckpts
+    shard = root / step_dir(4) / SHARD
+    raw = bytearray(shard.read_bytes())
+    for i in (-4, -40, -400):
+        raw[i] ^= 0xA5
+    shard.write_bytes(bytes(raw))
+
+    step, warned, model, ckpt = restore_fresh(url, mlp_state)
+    assert step == 2
+    assert len(warned) == 1
+    assert f"{url}/{step_dir(4)}/{SHARD}" in warned[0]
+    assert re.search(r"failed its checksum \([0-9a-f]{16} != [0-9a-f]{16}\)", warned[0]), warned[0]
+    assert_model_is_step(model, url, 2)
+
+    train(model, ckpt.state["optim"], ckpt, 4, ckpt.state["sched"])
+    ckpt.close()
+    assert ckpt.stats["errors"] == 0
+    assert [c["step"] for c in cfdist.list_checkpoints(url)] == [4, 6]
+    assert restore_fresh(url, mlp_state)[:2] == (6, [])
+
+
+@pytest.mark.parametrize("damage", ["truncate-data", "truncate-header", "delete"])
+def test_truncated_or_missing_shard_falls_back(ckpts, mlp_state, damage):
+    """A shard cut short (in its data or its header) or deleted makes restore fall back one step.
+
+    Real: the committed checkpoints and the verified restore. Faked: the damage to step 4's shard.
+    The point: a warning names the damaged file and why, and step 2 is loaded exactly.
+    """
+    url, root = ckpts
+    shard = root / step_dir(4) / SHARD
+    if damage == "delete":
+        shard.unlink()
+        why = "is missing"
+    else:
+        raw = shard.read_bytes()
+        shard.write_bytes(raw[:len(raw) // 2] if damage == "truncate-data" else raw[:20])
+        why = "truncated" if damage == "truncate-data" else "not a safetensors file"
+
+    step, warned, model, _ = restore_fresh(url, mlp_state)
+    assert step == 2
+    assert len(warned) == 1 and SHARD in warned[0] and why in warned[0], warned
+    assert_model_is_step(model, url, 2)
+
+
+@pytest.mark.parametrize("name", ["../../x", "/etc/passwd", "../step-000000002/" + SHARD, "..\\x.safetensors"])
+def test_manifest_naming_a_path_outside_its_directory_is_refused(ckpts, mlp_state, tmp_path, name):
+    """A manifest whose shard entry points outside the step directory is refused before any read.
+
+    Real: restore and ``cfdist.load`` on real files. Faked: the tampered manifest, and a valid
+    shard planted at the escape target ``tmp_path/x`` (so following the path would "work").
+    Recorded: every path the storage is asked to read.
+    The point: the error says the manifest names an unsafe shard file; no path outside the step
+    directory is read, the planted file is untouched, and restore falls back to step 2.
+    """
+    url, root = ckpts
+    planted = tmp_path / "x"
+    planted.write_bytes((root / step_dir(4) / SHARD).read_bytes())
+    before = planted.stat()
+    man = root / step_dir(4) / MANIFEST
+    m = json.loads(man.read_text())
+    m["shards"][0]["file"] = name
+    man.write_text(json.dumps(m))
+
+    from cfdist.storage.base import Storage
+    reads = []
+    real_read = Storage.read_bytes
+
+    def recording_read(self, rel, *a, **kw):
+        reads.append(rel)
+        return real_read(self, rel, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Storage, "read_bytes", recording_read)
+        with pytest.raises(CheckpointError, match="unsafe or unexpected shard file"):
+            cfdist.load(url, step=4)
+        step, warned, model, _ = restore_fresh(url, mlp_state)
+    assert step == 2 and len(warned) == 1 and "unsafe" in warned[0]
+    assert_model_is_step(model, url, 2)
+    assert all(r.startswith(step_dir(2) + "/") or r.startswith(step_dir(4) + "/" + MANIFEST) or r == "history.json"
+               for r in reads), reads
+    assert planted.stat().st_mtime_ns == before.st_mtime_ns and planted.stat().st_atime_ns == before.st_atime_ns
+
+
+class _Marker:
+    """Unpickling this creates the marker file: proof that loading ran code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_pickle_in_place_of_a_shard_is_refused_without_running_it(ckpts, mlp_state, tmp_path, zipfile):
+    """A ``torch.save`` pickle swapped in for a shard is refused, and its code never runs.
+
+    Real: restore and ``cfdist.load`` on real files. Faked: the swapped shard, a pickle (zip or
+    legacy format) whose ``__reduce__`` would create a marker file when unpickled.
+    The point: refused as not a safetensors file, the marker never exists, restore falls back.
+    """
+    url, root = ckpts
+    marker = tmp_path / "pwned"
+    torch.save({"w": _Marker(marker)}, root / step_dir(4) / SHARD, _use_new_zipfile_serialization=zipfile)
+    assert not marker.exists()
+
+    with pytest.raises(CheckpointError, match="not a safetensors file"):
+        cfdist.load(url, step=4)
+    step, warned, model, _ = restore_fresh(url, mlp_state)
+    assert step == 2 and len(warned) == 1 and "not a safetensors file" in warned[0]
+    assert not marker.exists()
+
+
+def test_nothing_usable_raises_listing_every_rejected_step(ckpts, mlp_state):
+    """With every checkpoint damaged, restore raises CheckpointError naming each step and why.
+
+    Real: the committed checkpoints and restore. Faked: step 4's shard deleted, step 2's flipped.
+    The point: the error lists step 4 (missing file) and step 2 (checksum), and the live model
+    keeps its own initial values (nothing half-loaded).
+    """
+    url, root = ckpts
+    (root / step_dir(4) / SHARD).unlink()
+    shard2 = root / step_dir(2) / SHARD
+    raw = bytearray(shard2.read_bytes())
+    raw[-8] ^= 0xFF
+    shard2.write_bytes(bytes(raw))
+
+    model, opt, sched = mlp_state(seed=123)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(2))
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError) as err:
+        ckpt.restore()
+    msg = str(err.value)
+    assert "no usable checkpoint" in msg
+    assert re.search(r"step 4 in .*is missing", msg), msg
+    assert re.search(r"step 2 in .*failed its checksum", msg), msg
+    assert all(torch.equal(v, init[k]) for k, v in model.state_dict().items())
+    ckpt.close()
