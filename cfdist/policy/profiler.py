@@ -14,16 +14,23 @@ Plan over the first ``P`` steps (``rel`` counts from 1 at the first step this pr
 * persists report ``Ts`` and the bytes ``m`` whenever they complete; profiling ends at the first
   step ``>= P`` by which every needed number has arrived (later when persisting is slow).
 
+A checkpointer that reports no snapshot duration still gets a profile: the stall at the gate of
+the step after a planned snapshot (what the copy cost the critical path, a lower bound of the
+copy time) stands in for it, with a warning.
+
 Every rank derives the same plan from the same ``P`` and device, so the snapshot steps agree.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 
 from cfdist.policy.base import StepMeasurement
 from cfdist.policy.freq import Profile
+
+log = logging.getLogger("cfdist.policy")
 
 MIN_STEPS = 10
 """Fewer profiling steps cannot separate the warm-up from clean samples."""
@@ -71,6 +78,7 @@ class Profiler:
         self._m: int | None = None
         self._gpu_refused = False
         self._prev_ckpt = False
+        self._gate: dict[str, float] = {}
 
     def snapshot_at(self, rel: int) -> str | None:
         """``"gpu"``/``"cpu"`` when the plan snapshots at relative step ``rel``, else None."""
@@ -86,6 +94,9 @@ class Profiler:
             self._ti.append(m.iter_s)
             self._tw.append(m.update_s)
         self._prev_ckpt = m.checkpointed
+        for dev, at in (("gpu", self.gpu_at), ("cpu", self.cpu_at)):
+            if at is not None and rel == at + 1:
+                self._gate[dev] = m.stall_s
         if m.snapshot_s is not None:
             if m.snapshot_device == "gpu":
                 self._tg.append(m.snapshot_s)
@@ -107,9 +118,9 @@ class Profiler:
             need.append(f"{self.steps - rel} more steps")
         if not self._ti:
             need.append("Ti")
-        if not self._tc:
+        if not self._tc and "cpu" not in self._gate:
             need.append("Tc")
-        if self.has_gpu and not self._gpu_refused and not self._tg:
+        if self.has_gpu and not self._gpu_refused and not self._tg and "gpu" not in self._gate:
             need.append("Tg")
         if not self._ts:
             need.append("Ts")
@@ -122,9 +133,16 @@ class Profiler:
         """The measured profile; ``M``/``Mmax`` from :func:`gpu_memory` (None without a GPU)."""
         ti = statistics.median(self._ti)
         tw = min(statistics.median(self._tw), ti)
-        tg = statistics.median(self._tg) if self._tg else None
+        tc = statistics.median(self._tc) if self._tc else self._gate["cpu"]
+        tg = None
+        if self.has_gpu and not self._gpu_refused:
+            tg = statistics.median(self._tg) if self._tg else self._gate["gpu"]
+        if not self._tc or (tg is not None and not self._tg):
+            log.warning("the checkpointer reported no snapshot duration during profiling; using the "
+                        "gate stall after the snapshot instead (Tc=%.3gs%s)", tc,
+                        f", Tg={tg:.3g}s" if tg is not None else "")
         return Profile(
-            Ti=ti, Tw=tw, Tc=statistics.median(self._tc), Ts=statistics.fmean(self._ts),
+            Ti=ti, Tw=tw, Tc=tc, Ts=statistics.fmean(self._ts),
             m=self._m if self._m is not None else self.state_bytes, Tg=tg,
             M=M if tg is not None else None, Mmax=Mmax if tg is not None else None,
         )

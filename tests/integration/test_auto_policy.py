@@ -1,0 +1,116 @@
+"""``cfdist.Auto`` driving the real Checkpointer on a real (throttled) local disk.
+
+Real: the Checkpointer, its snapshot and persist threads, files on ``file://`` under tmp_path,
+wall-clock timings. Faked: the disk's speed (a throttling Storage wrapper: a fixed bandwidth,
+cut 5x mid-run) and the iteration time (a short sleep on top of a small model's step, so that
+two busy cores still give a steady Ti). The points: after the slowdown Auto raises k and logs
+why; a restart on the same storage reuses the cached profile and skips profiling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+from cfdist.checkpoint import Checkpointer
+from cfdist.policy import Auto, TunerConfig
+from cfdist.storage import open_storage
+
+try:
+    from cfdist.storage.faults import throttle
+except ImportError:  # the shared wrapper is not there yet: a minimal one
+    from cfdist.storage.base import Storage
+
+    class _Throttled(Storage):
+        def __init__(self, inner, bytes_per_s):
+            super().__init__(inner.url, inner.fs, inner.root, inner.protocol)
+            self._rate = bytes_per_s
+
+        def set_bytes_per_s(self, r):
+            self._rate = r
+
+        def write_file(self, rel, chunks, *, fsync=True):
+            t0 = time.perf_counter()
+            n = super().write_file(rel, chunks, fsync=fsync)
+            time.sleep(max(n / self._rate - (time.perf_counter() - t0), 0.0))
+            return n
+
+    def throttle(inner, *, bytes_per_s):
+        return _Throttled(inner, bytes_per_s)
+
+
+MB = 1 << 20
+STATE_BYTES = 2 * (512 * 512 + 512) * 4   # two 512x512 fp32 layers with biases, about 2 MiB
+RATE = 4 * MB                             # persist about 0.5 s; 5x slower: about 2.5 s
+ITER_SLEEP = 0.03                         # Ti about 0.035 s
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512))
+
+
+def _train(ckpt, model, opt, steps):
+    x = torch.randn(8, 512)
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        ckpt.step(opt)
+        opt.zero_grad()
+        time.sleep(ITER_SLEEP)
+
+
+def _cached(url):
+    st = open_storage(url)
+    names = [n for n in st.listdir() if n.startswith("profile-") and n.endswith(".json")]
+    assert len(names) == 1, names
+    return json.loads(st.read_bytes(names[0]))
+
+
+@pytest.mark.slow
+def test_slower_storage_raises_k_and_a_restart_reuses_the_profile(tmp_path, caplog):
+    url = f"file://{tmp_path.as_posix()}/ck"
+    disk = throttle(open_storage(url), bytes_per_s=RATE)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    # short windows: react within a few intervals (the default 50 steps is for long runs)
+    auto = Auto(profile_steps=10, tuning=TunerConfig(window_steps=20))
+    ckpt = Checkpointer({"model": model, "opt": opt}, storage=disk, policy=auto)
+    with caplog.at_level(logging.INFO, logger="cfdist.policy"):
+        _train(ckpt, model, opt, 100)
+        k_before, slow_at = ckpt.stats["k"], ckpt.step_count
+        disk.set_bytes_per_s(RATE / 5)            # the disk is 5x slower from now on
+        _train(ckpt, model, opt, 200)
+    ckpt.close()
+    stats = ckpt.stats
+    assert stats["phase"] == "tuning" and not stats["profile_from_cache"]
+    assert stats["profile"]["m"] >= STATE_BYTES
+    raised = [c for c in stats["changes"] if c["step"] > slow_at and c["k_new"] > c["k_old"]]
+    assert k_before is not None and stats["k"] > k_before and raised, (k_before, stats["changes"])
+    assert all(c["reason"].startswith(f"k={c['k_new']} because") and "Ts=" in c["reason"] for c in raised)
+    assert any(r.getMessage() == raised[-1]["reason"] for r in caplog.records)  # logged with inputs
+    # the slow persist (about 2.5 s) fits in the interval again
+    Ts_slow = STATE_BYTES / (RATE / 5)
+    assert stats["k"] * stats["profile"]["Ti"] >= 0.6 * Ts_slow, stats["changes"]
+    assert stats["expected_lost_work"]["iterations"] >= stats["k"] / 2
+
+    # ---- restart: the same model, batch and world on the same storage -------------------------
+    cached = _cached(url)
+    k, restored_at = cached["k"], stats["latest_step"]
+    model2 = _model()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=1e-3)
+    ck2 = Checkpointer({"model": model2, "opt": opt2}, storage=open_storage(url),
+                       policy=Auto(profile_steps=10, tuning=TunerConfig(window_steps=20)))
+    assert ck2.restore() == restored_at
+    n = min(k, 20) + 2
+    _train(ck2, model2, opt2, n)
+    ck2.close()
+    s2 = ck2.stats
+    assert s2["profile_from_cache"] and s2["phase"] == "tuning"
+    first = s2["changes"][0]
+    assert first["step"] == restored_at + 1 and first["k_new"] == k and "cached profile" in first["reason"]
+    # no profiling snapshot (it would come at restored + 10): the next checkpoint is k steps on
+    assert ck2.latest_step == (restored_at + k if k <= n else restored_at), (k, ck2.latest_step)
