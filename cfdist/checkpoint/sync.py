@@ -119,7 +119,8 @@ class _Carrier:
         return decode(vals[1:], self.width)
 
 
-def _carry_hook(state: _Carrier, bucket: "dist.GradBucket") -> torch.futures.Future:
+def _carry_hook(state, bucket):
+    # (no annotations: DDP checks them by identity, and this module's are strings)
     buf = bucket.buffer()
     buf.div_(state.world_size)  # first, as the default hook does (avoids fp16 overflow)
     if bucket.index() != 0:

@@ -19,29 +19,7 @@ import torch
 from cfdist.checkpoint import Checkpointer
 from cfdist.policy import Auto, TunerConfig
 from cfdist.storage import open_storage
-
-try:
-    from cfdist.storage.faults import throttle
-except ImportError:  # the shared wrapper is not there yet: a minimal one
-    from cfdist.storage.base import Storage
-
-    class _Throttled(Storage):
-        def __init__(self, inner, bytes_per_s):
-            super().__init__(inner.url, inner.fs, inner.root, inner.protocol)
-            self._rate = bytes_per_s
-
-        def set_bytes_per_s(self, r):
-            self._rate = r
-
-        def write_file(self, rel, chunks, *, fsync=True):
-            t0 = time.perf_counter()
-            n = super().write_file(rel, chunks, fsync=fsync)
-            time.sleep(max(n / self._rate - (time.perf_counter() - t0), 0.0))
-            return n
-
-    def throttle(inner, *, bytes_per_s):
-        return _Throttled(inner, bytes_per_s)
-
+from cfdist.storage.faults import throttle
 
 MB = 1 << 20
 STATE_BYTES = 2 * (512 * 512 + 512) * 4   # two 512x512 fp32 layers with biases, about 2 MiB
