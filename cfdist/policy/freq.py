@@ -14,7 +14,8 @@ Rules:
 * mode: snapshot to GPU when ``m`` fits in the GPU memory training leaves free (``To = Tg``:
   a device-to-device copy the next update must wait for), else to CPU memory, which overlaps the
   forward/backward of the next iteration and stalls only for what does not fit in it:
-  ``To = max(Tc - (Ti - Tw), 0)``;
+  ``To = max(Tc - (Ti - Tw), 0)``; when profiling measured the overhead around a snapshot
+  (``Og``/``Oc``) and it is larger, that is ``To``;
 * the next checkpoint must not start before the previous one is persisted:
   ``k >= ceil((Tsnap + Ts - To) / Ti)``;
 * the overhead budget: ``To / (k * Ti) <= p``, so ``k >= kmin = ceil(To / (p * Ti))``
@@ -57,9 +58,13 @@ class Profile:
     """Peak GPU memory of training (bytes); None without a GPU."""
     Mmax: int | None = None
     """Total GPU memory (bytes); None without a GPU."""
+    Oc: float | None = None
+    """Measured time one CPU snapshot added to the iterations around it (critical path)."""
+    Og: float | None = None
+    """Measured time one GPU snapshot added to the iterations around it."""
 
     def __post_init__(self):
-        for name in ("Ti", "Tw", "Tc", "Ts", "Tg"):
+        for name in ("Ti", "Tw", "Tc", "Ts", "Tg", "Oc", "Og"):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -126,10 +131,13 @@ def gpu_fits(m: int, M: int | None, Mmax: int | None, *, headroom: float = 0.05)
 
 def choose_mode(profile: Profile, *, headroom: float = 0.05) -> tuple[str, float, float]:
     """``(mode, Tsnap, To)``: GPU when the snapshot fits in free GPU memory and was measured,
-    else CPU (see the module docstring for ``To``)."""
+    else CPU (see the module docstring for ``To``). ``To`` is the larger of the model and of
+    what profiling measured around a snapshot (``Og``/``Oc``): the measurement also sees the
+    costs the model leaves out (capturing the state, contention with the copy thread)."""
     if profile.Tg is not None and gpu_fits(profile.m, profile.M, profile.Mmax, headroom=headroom):
-        return "gpu", profile.Tg, profile.Tg
-    return "cpu", profile.Tc, cpu_overhead(Ti=profile.Ti, Tw=profile.Tw, Tc=profile.Tc)
+        return "gpu", profile.Tg, max(profile.Tg, profile.Og or 0.0)
+    model = cpu_overhead(Ti=profile.Ti, Tw=profile.Tw, Tc=profile.Tc)
+    return "cpu", profile.Tc, max(model, profile.Oc or 0.0)
 
 
 def cpu_overhead(*, Ti: float, Tw: float, Tc: float) -> float:

@@ -11,6 +11,9 @@ Plan over the first ``P`` steps (``rel`` counts from 1 at the first step this pr
   (median of ``update_s``);
 * with a GPU: a GPU snapshot at ``P - 2`` (``Tg``), then a CPU snapshot at ``P`` (``Tc``);
   without one only the CPU snapshot at ``P``;
+* the time a snapshot adds to its own step and the next ones (the GPU one: 2 steps, the CPU
+  one: 3), beyond ``Ti`` and beyond waiting for an earlier persist, is its measured overhead
+  ``Og``/``Oc`` (it includes what a model of the copy misses: capturing the state, contention);
 * persists report ``Ts`` and the bytes ``m`` whenever they complete; profiling ends at the first
   step ``>= P`` by which every needed number has arrived (later when persisting is slow).
 
@@ -79,6 +82,11 @@ class Profiler:
         self._gpu_refused = False
         self._prev_ckpt = False
         self._gate: dict[str, float] = {}
+        # steps whose extra time counts as a snapshot's overhead, per device
+        self._spans = {"cpu": range(self.cpu_at, self.cpu_at + 3)}
+        if self.gpu_at is not None:
+            self._spans["gpu"] = range(self.gpu_at, self.cpu_at)
+        self._extra: dict[str, list[float]] = {d: [] for d in self._spans}
 
     def snapshot_at(self, rel: int) -> str | None:
         """``"gpu"``/``"cpu"`` when the plan snapshots at relative step ``rel``, else None."""
@@ -94,6 +102,9 @@ class Profiler:
             self._ti.append(m.iter_s)
             self._tw.append(m.update_s)
         self._prev_ckpt = m.checkpointed
+        for dev, span in self._spans.items():
+            if rel in span:  # the snapshot step's own stall is the wait for an earlier persist
+                self._extra[dev].append(m.iter_s - (m.stall_s if rel == span.start else 0.0))
         for dev, at in (("gpu", self.gpu_at), ("cpu", self.cpu_at)):
             if at is not None and rel == at + 1:
                 self._gate[dev] = m.stall_s
@@ -114,8 +125,8 @@ class Profiler:
     def missing(self, rel: int) -> list[str]:
         """What is still to come before :meth:`result` can be called (empty: done)."""
         need = []
-        if rel < self.steps:
-            need.append(f"{self.steps - rel} more steps")
+        if rel < self.steps + 2:
+            need.append(f"{self.steps + 2 - rel} more steps")
         if not self._ti:
             need.append("Ti")
         if not self._tc and "cpu" not in self._gate:
@@ -141,8 +152,11 @@ class Profiler:
             log.warning("the checkpointer reported no snapshot duration during profiling; using the "
                         "gate stall after the snapshot instead (Tc=%.3gs%s)", tc,
                         f", Tg={tg:.3g}s" if tg is not None else "")
+        over = {d: max(sum(xs) - len(xs) * ti, 0.0) if len(xs) == len(self._spans[d]) else None
+                for d, xs in self._extra.items()}
         return Profile(
             Ti=ti, Tw=tw, Tc=tc, Ts=statistics.fmean(self._ts),
             m=self._m if self._m is not None else self.state_bytes, Tg=tg,
             M=M if tg is not None else None, Mmax=Mmax if tg is not None else None,
+            Oc=over["cpu"], Og=over.get("gpu") if tg is not None else None,
         )

@@ -31,6 +31,12 @@ def test_worked_example_from_the_paper():
         (Profile(Ti=0.2, Tw=0.05, Tc=0.1, Ts=1.0, m=GB), 0.035, "cpu", 0.0, 6, 1, 6),
         # GPU measured but memory figures unknown: CPU
         (Profile(Ti=0.2, Tw=0.05, Tc=0.1, Tg=0.01, Ts=1.0, m=GB), 0.035, "cpu", 0.0, 6, 1, 6),
+        # profiling measured more than the model (state capture, contention): the measurement wins
+        (Profile(Ti=0.2, Tw=0.05, Tc=0.1, Ts=1.0, m=GB, Oc=0.07), 0.035, "cpu", 0.07, 6, 10, 10),
+        # ... and the model wins where it is larger
+        (Profile(Ti=0.2, Tw=0.05, Tc=0.3, Ts=2.0, m=GB, Oc=0.01), 0.035, "cpu", 0.15, 11, 22, 22),
+        (Profile(Ti=0.2, Tw=0.05, Tc=0.3, Tg=0.01, Ts=2.0, m=GB, M=GB, Mmax=80 * GB, Og=0.02),
+         0.035, "gpu", 0.02, 10, 3, 10),
         # a bigger budget needs fewer iterations per checkpoint
         (Profile(Ti=1.0, Tw=0.0, Tc=9.0, Tg=1.0, Ts=0.0, m=1, M=1, Mmax=100), 0.10, "gpu", 1.0, 1, 10, 10),
     ],
