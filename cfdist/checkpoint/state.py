@@ -15,6 +15,7 @@ Entries are captured at two instants of the same step boundary (invariant 3):
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
@@ -142,19 +143,42 @@ def check_compatible(state: dict, saved: dict) -> None:
         raise CheckpointError("the checkpoint does not fit the live objects:\n  " + "\n  ".join(diffs))
 
 
+def _apply_one(state: dict, k: str, sv: Any) -> None:
+    obj = state[k]
+    try:
+        if isinstance(obj, torch.Tensor):
+            with torch.no_grad():
+                obj.copy_(sv)
+        elif isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(sv, strict=True)
+        elif hasattr(obj, "load_state_dict") and not isinstance(obj, (dict, list, tuple)):
+            obj.load_state_dict(sv)
+        else:
+            state[k] = sv
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"loading state[{k!r}] failed: {e}") from e
+
+
 def apply(state: dict, saved: dict) -> None:
-    """Load ``saved[key]`` into each live object in place (plain values are replaced in ``state``)."""
+    """Load ``saved[key]`` into each live object in place (plain values are replaced in ``state``).
+
+    All or nothing: the small entries (data iterators, schedulers, plain values), which may
+    still refuse a state :func:`check_compatible` cannot judge, load first and are put back if
+    one refuses; modules, optimizers and tensors, already checked, load last.
+    """
+    heavy = (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)
+    small = [k for k, o in state.items() if not isinstance(o, heavy)]
+    before = {k: copy.deepcopy(state[k].state_dict()) if hasattr(state[k], "load_state_dict") else state[k]
+              for k in small}
+    done = []
+    try:
+        for k in small:
+            _apply_one(state, k, saved[k])
+            done.append(k)
+    except CheckpointError:
+        for k in done:
+            _apply_one(state, k, before[k])
+        raise
     for k, obj in state.items():
-        sv = saved[k]
-        try:
-            if isinstance(obj, torch.Tensor):
-                with torch.no_grad():
-                    obj.copy_(sv)
-            elif isinstance(obj, torch.nn.Module):
-                obj.load_state_dict(sv, strict=True)
-            elif hasattr(obj, "load_state_dict") and not isinstance(obj, (dict, list, tuple)):
-                obj.load_state_dict(sv)
-            else:
-                state[k] = sv
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"loading state[{k!r}] failed: {e}") from e
+        if isinstance(obj, heavy):
+            _apply_one(state, k, saved[k])

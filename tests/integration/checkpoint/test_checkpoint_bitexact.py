@@ -12,9 +12,11 @@ K = 3            # Every(3): epoch ends (6, 12, ...) are checkpoint steps too
 
 
 def deaths(seed: int, n: int = 6) -> list[list]:
-    """``n`` increasing ``[step, phase]`` kill points; ``mid``: after backward, ``post``: after ckpt.step."""
+    """``n`` increasing ``[step, phase]`` kill points, one in each n-th of the run;
+    ``mid``: after backward, ``post``: right after ``ckpt.step``."""
     rng = random.Random(seed)
-    return [[s, rng.choice(["mid", "post"])] for s in sorted(rng.sample(range(2, TOTAL), n))]
+    cuts = [2 + j * (TOTAL - 2) // n for j in range(n + 1)]
+    return [[rng.randrange(a, b), rng.choice(["mid", "post"])] for a, b in zip(cuts, cuts[1:])]
 
 
 def assert_same_training_state(got: dict, want: dict) -> None:
@@ -63,7 +65,7 @@ def test_killed_and_restarted_run_ends_bit_identical(children, tmp_path, loader)
     assert children.wait(pid, timeout=120) == 0, (out / "error-last.txt").read_text()
     restored.append(children.report(out / "restore-last.json", pid)["restored"])
 
-    assert len({r for r in restored if r}) >= 4, f"too few distinct resumes: {restored}"
+    assert len({r for r in restored if r}) >= 3, f"too few distinct resumes: {restored}"
     want = torch.load(out / "final-ref.pt", weights_only=True)
     got = torch.load(out / "final-last.pt", weights_only=True)
     assert_same_training_state(got, want)
