@@ -4,9 +4,12 @@ Everything users may import is listed in ``__all__``; anything else can change.
 """
 
 from cfdist.checkpoint import CheckpointError, Checkpointer, list_checkpoints, load
-from cfdist.policy import Every, EveryEpoch
+from cfdist.data import DALIResumableIterator, ResumableLoader, ResumableSampler
+from cfdist.policy import Auto, Every, EveryEpoch
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "Checkpointer", "Every", "EveryEpoch", "list_checkpoints", "load",
-           "__version__"]
+__all__ = [
+    "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
+    "ResumableLoader", "ResumableSampler", "list_checkpoints", "load", "__version__",
+]
