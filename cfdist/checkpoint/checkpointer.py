@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cfdist.checkpoint import discovery, state as st
-from cfdist.checkpoint.flatten import flatten, unflatten
+from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
 from cfdist.checkpoint.snapshot import Snapshotter
@@ -446,16 +446,15 @@ class Checkpointer:
         for c in cands:
             try:
                 m, tensors = discovery.load_verified(c.storages, c.step, verify=self.config.verify)
+                saved, rng = discovery.decode_state(m, tensors, where=c.storages[0].url_of(step_dir(c.step)))
             except (CheckpointError, OSError) as e:
                 rejected.append(f"step {c.step} in {c.storages[0].url}: {e}")
                 warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({e}); "
                               f"falling back to an older one", RuntimeWarning, stacklevel=2)
                 continue
-            saved = unflatten(m["skeleton"], tensors)
-            saved.update(unflatten(m.get("late", {}), {}))
             st.check_compatible(self.state, saved)
             st.apply(self.state, saved)
-            st.set_rng_state(unflatten(m.get("rng", {}), {}))
+            st.set_rng_state(rng)
             self._step = c.step
             if self.latest_step is None or c.tier == 0:
                 self.latest_step = c.step if c.tier == 0 else self.latest_step

@@ -117,6 +117,21 @@ def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: 
     return out
 
 
+def decode_state(manifest: dict, tensors: dict[str, torch.Tensor], *, where: str) -> tuple[dict, dict]:
+    """``(state, rng)`` of a verified checkpoint: the skeleton filled with its tensors, plus the
+    late state; ``CheckpointError`` if the skeleton is malformed (names a missing tensor, ...)."""
+    try:
+        state = unflatten(manifest["skeleton"], tensors)
+        if not isinstance(state, dict):
+            raise TypeError(f"the state is a {type(state).__name__}, not a dict")
+        state.update(unflatten(manifest.get("late", {}), {}))
+        rng = unflatten(manifest.get("rng", {}), {})
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{where}: the manifest's state skeleton is malformed "
+                              f"({type(e).__name__}: {e})") from None
+    return state, rng
+
+
 def load_verified(storages: list[Storage], step: int, *, verify: bool = True) -> tuple[dict, dict]:
     """(manifest, tensors) of one committed checkpoint; CheckpointError if anything is off."""
     m = read_manifest(storages, step)
@@ -204,14 +219,12 @@ def load(storage, step: int | None = None, *, verify: bool = True, **storage_opt
     for s in steps:
         try:
             m, tensors = load_verified(sts, s, verify=verify)
+            state, rng = decode_state(m, tensors, where=sts[0].url_of(step_dir(s)))
         except CheckpointError as e:
             if step is not None:
                 raise
             errors.append(str(e))
             log.warning("%s; trying an older checkpoint", e)
             continue
-        state = unflatten(m["skeleton"], tensors)
-        state.update(unflatten(m.get("late", {}), {}))
-        return {"step": s, "epoch": m.get("epoch"), "time": m.get("time"), "state": state,
-                "rng": unflatten(m.get("rng", {}), {})}
+        return {"step": s, "epoch": m.get("epoch"), "time": m.get("time"), "state": state, "rng": rng}
     raise CheckpointError(f"no usable checkpoint in {sts[0].url}: " + "; ".join(errors))

@@ -18,6 +18,7 @@ xxh3-64 checksum, and the small state (iterator, RNG, scheduler, step, epoch).
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -129,4 +130,13 @@ def validate_manifest(m: object, *, where: str) -> dict:
             raise CheckpointError(f"{where}: tensor {name!r} points at a shard that does not exist")
         if t.get("dtype") not in ST_TO_TORCH:
             raise CheckpointError(f"{where}: tensor {name!r} has unknown dtype {t.get('dtype')!r}")
+        shape, off, nb = t.get("shape"), t.get("offset"), t.get("nbytes")
+        if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and _is_count(off) and _is_count(nb)
+                and nb == math.prod(shape) * ST_TO_TORCH[t["dtype"]].itemsize):
+            raise CheckpointError(f"{where}: tensor {name!r} has an inconsistent shape {shape!r}, "
+                                  f"offset {off!r} or size {nb!r}")
     return m
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

@@ -197,3 +197,28 @@ def test_nothing_usable_raises_listing_every_rejected_step(ckpts, mlp_state):
     assert re.search(r"step 2 in .*failed its checksum", msg), msg
     assert all(torch.equal(v, init[k]) for k, v in model.state_dict().items())
     ckpt.close()
+
+
+@pytest.mark.parametrize("tamper, why", [
+    (lambda m: m["skeleton"]["model"].update({"0.weight": {"__t__": "model/0.wEight"}}), "skeleton is malformed"),
+    (lambda m: m["tensors"]["model/0.weight"].update(nbytes=12), "inconsistent shape"),
+    (lambda m: m.update(skeleton=[1, 2]), "skeleton is malformed"),
+])
+def test_a_manifest_that_parses_but_does_not_add_up_falls_back(ckpts, mlp_state, tamper, why):
+    """A manifest that is valid JSON but inconsistent is rejected like a corrupt shard.
+
+    Real: the committed checkpoints, restore and ``cfdist.load``. Faked: step 4's manifest
+    edited (a skeleton naming a tensor that is not there, a size that does not match the shape,
+    a skeleton that is not a dict).
+    The point: no KeyError/RuntimeError escapes; restore warns why and loads step 2.
+    """
+    url, root = ckpts
+    man = root / step_dir(4) / MANIFEST
+    m = json.loads(man.read_text())
+    tamper(m)
+    man.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=why):
+        cfdist.load(url, step=4)
+    step, warned, model, _ = restore_fresh(url, mlp_state)
+    assert step == 2 and len(warned) == 1 and why in warned[0], warned
+    assert_model_is_step(model, url, 2)

@@ -41,6 +41,11 @@ def test_a_shard_name_that_could_leave_the_step_directory_is_refused(name):
     (lambda m: m["shards"][0].update(root=-1), "invalid root"),
     (lambda m: m["tensors"]["w"].update(shard=5), "shard that does not exist"),
     (lambda m: m["tensors"]["w"].update(dtype="PICKLE"), "unknown dtype"),
+    (lambda m: m["tensors"]["w"].update(nbytes=7), "inconsistent shape"),
+    (lambda m: m["tensors"]["w"].update(shape=[3]), "inconsistent shape"),
+    (lambda m: m["tensors"]["w"].update(shape=[-2]), "inconsistent shape"),
+    (lambda m: m["tensors"]["w"].update(offset=-8), "inconsistent shape"),
+    (lambda m: m["tensors"]["w"].update(offset="0"), "inconsistent shape"),
 ])
 def test_a_malformed_manifest_is_refused_with_the_reason(change, why):
     m = manifest()
