@@ -133,6 +133,7 @@ class Checkpointer:
         self._pending: dict | None = None      # snapshot taken, small state not yet captured
         self._ready: dict | None = None        # fully captured, waiting for the copy to finish
         self._inflight = None                  # Pending persist
+        self._snapped_step: int | None = None  # step of the latest snapshot taken
         self._error: BaseException | None = None
         self._last_return: float | None = None
         self._persist_done: tuple[float, int] | None = None
@@ -258,8 +259,9 @@ class Checkpointer:
         self._on_boundary()
         self._harvest()
         self._snap.wait_copied()
-        if self._pending is None and (self._ready is None or self._ready["step"] != self._step) \
-                and self.latest_step != self._step:
+        # Not again for a step already snapshotted (its persist may still be in flight): a
+        # second persist of the same step would have to replace the first one's commit.
+        if self._snapped_step != self._step and self.latest_step != self._step:
             self._begin(self._epoch_end())
         self._on_boundary()
         h = _Handle(self, self._step)
@@ -346,6 +348,7 @@ class Checkpointer:
             # (augmentation); in the ordinary loop nothing else draws before it.
             self._pending["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
         self._stats["snapshots"] += 1
+        self._snapped_step = self._step
         if self.writer:
             mode = getattr(self.policy, "mode", "cpu")
             self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu")

@@ -100,3 +100,26 @@ def test_checkpoint_every_step_never_mixes_or_drops_a_step(memory_url, rounds):
         assert committed_steps(open_storage(url)) == list(range(1, steps + 1))
         for step, w in want.items():
             _assert_checkpoint_is(cfdist.load(url, step=step), w, step)
+
+
+def test_save_persists_each_step_once(memory_url, caplog):
+    """``save()`` right after a checkpoint step (its persist maybe in flight) adds no second one.
+
+    Real: the Checkpointer with the thread backend on ``memory://``. Faked: nothing.
+    The point: saving at step 2 (an ``Every(2)`` step) and twice at step 3 gives exactly the
+    commits 2 and 3, each once: a second persist of a step would have to un-commit the first.
+    """
+    model = _model(32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, memory_url, cfdist.Every(2), keep=10)
+    for i in range(3):
+        model(torch.ones(2, 16)).sum().backward()
+        ckpt.step(opt)
+        if i == 1:
+            assert ckpt.save(block=True).step == 2
+    assert ckpt.save().wait() == 3
+    assert ckpt.save(block=True).step == 3
+    ckpt.close()
+    assert ckpt.stats["checkpoints"] == 2 and ckpt.stats["errors"] == 0
+    assert committed_steps(open_storage(memory_url)) == [2, 3]
+    assert "replacing step" not in caplog.text
