@@ -24,6 +24,10 @@ def _hours(results: Sequence[RunMetrics]) -> bool:
     return max((r.wall_s for r in results), default=0.0) >= 3 * 3600
 
 
+def _ticks(results: Sequence[RunMetrics]) -> list[str]:
+    return [r.label.replace(" (", "\n(") for r in results]  # "auto (k=28)" on two lines
+
+
 def _check(results: Sequence[RunMetrics]) -> None:
     if not results:
         raise ValueError("nothing to plot: pass at least one result")
@@ -46,7 +50,7 @@ def draw_progress(ax, results: Sequence[RunMetrics]) -> None:
 
 def draw_goodput(ax, results: Sequence[RunMetrics]) -> None:
     """Goodput per result, as bars labelled with their value."""
-    bars = ax.bar([r.label for r in results], [r.goodput for r in results], color="#4c72b0")
+    bars = ax.bar(_ticks(results), [r.goodput for r in results], color="#4c72b0")
     ax.bar_label(bars, fmt="%.2f", fontsize="small")
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("goodput (vs failure-free)")
@@ -56,18 +60,18 @@ def draw_goodput(ax, results: Sequence[RunMetrics]) -> None:
 
 def draw_lost_work(ax, results: Sequence[RunMetrics]) -> None:
     """Lost iterations per failure: bar = mean, dots = each failure."""
-    labels = [r.label for r in results]
-    ax.bar(labels, [r.lost_iters_mean for r in results], color="#dd8452", alpha=0.8, label="mean")
-    for i, r in enumerate(results):
-        ax.plot([i] * r.num_failures, r.lost_iters, ".", color="k", ms=3, alpha=0.5)
+    bars = ax.bar(_ticks(results), [r.lost_iters_mean for r in results], width=0.55, color="#dd8452", alpha=0.8)
+    ax.bar_label(bars, fmt="%.0f", fontsize="small")
+    for i, r in enumerate(results):  # beside the bar, clear of its label
+        ax.plot([i + 0.36] * r.num_failures, r.lost_iters, ".", color="k", ms=3, alpha=0.5)
     ax.set_ylabel("iterations lost per failure")
-    ax.set_title("lost work per failure (dots: each failure)")
+    ax.set_title("lost work per failure (bar: mean, dots: each)")
     ax.tick_params(axis="x", labelsize="small")
 
 
 def draw_recovery(ax, results: Sequence[RunMetrics]) -> None:
     """Mean recovery time per failure, stacked by phase (detect, wait, restart, restore, catch-up)."""
-    labels = [r.label for r in results]
+    labels = _ticks(results)
     means = [r.phase_means() for r in results]
     bottom = [0.0] * len(results)
     for p in PHASES:

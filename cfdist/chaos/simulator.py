@@ -15,8 +15,10 @@ The model
   ``max(k*iter_s + stall_s, snapshot_s + persist_s)``).
 - **A failure** (a crash, or a preemption of a node the job holds; simultaneous events are one
   failure) rolls training back to the newest checkpoint committed by then. If a preemption came
-  with notice and the job was training, it checkpoints right after the current iteration (once
-  any in-flight persist is done) and stops; if that commits before the kill, nothing is lost.
+  with notice while the job was training, it also checkpoints right after the current iteration
+  (once any in-flight persist is done) and keeps training; if that checkpoint commits before the
+  kill, only the iterations after it are lost. (It is modelled as one extra commit: its stall and
+  its delay of the next regular checkpoint are ignored, an error of at most one checkpoint.)
 - **Recovery**: detect (``detect_s``; 0 when a notice announced it), wait until all ``nodes``
   slots are up (a fixed-size job pauses; it does not run elastic), restart (``restart_s``),
   restore (``restore_s``; 0 when there is no checkpoint yet), then redo the lost iterations
@@ -419,7 +421,7 @@ class _Run:
         if notices:
             e = self.seg.emergency(t - max(notices), t)
             if e is not None:
-                step = committed = e  # checkpointed at the notice and stopped training
+                committed = max(committed, e)
         self.progress += [(t, step), (t, committed)]
         self.restored = committed
         self.open = _Incident(t, kind, step, committed, len(hits))

@@ -124,10 +124,10 @@ def test_simultaneous_preemptions_are_one_failure():
     "notice_s, step, restored",
     [
         (0.0, 25, 20),
-        (0.2, 25, 20),  # not enough time to checkpoint
-        (2.0, 24, 24),  # notice at 23.5: checkpoint step 24 (24 -> 25.0 <= 25.7), stop training
-        (6.0, 20, 20),  # notice at 19.7: step 20 is a regular checkpoint, committed at 20.5
-        (5.2, 21, 21),  # notice at 20.5: step 21's checkpoint waits for none, commits at 21.5
+        (0.2, 25, 20),  # notice at 25.5: step 26 would finish after the kill
+        (2.0, 25, 24),  # notice at 23.7: checkpoint of step 24 commits at 24.5; training goes on
+        (6.0, 25, 20),  # notice at 19.7: step 20 is the regular checkpoint anyway
+        (5.2, 25, 21),  # notice at 20.5: step 21's checkpoint commits at 21.5
     ],
 )
 def test_preemption_notice_triggers_a_checkpoint_when_it_fits(notice_s, step, restored):
@@ -143,8 +143,8 @@ def test_emergency_checkpoint_waits_for_the_persist_in_flight():
     # notice at 20.5: step 21 done at 21, waits for checkpoint 20 (commits 22), commits at 24
     ok = simulate([preempt(24.0, notice_s=3.5), back(24.0)], FixedK(k=10), costs=costs, nodes=1, horizon_s=50.0)
     late = simulate([preempt(23.9, notice_s=3.4), back(23.9)], FixedK(k=10), costs=costs, nodes=1, horizon_s=50.0)
-    assert ok.failures[0].restored_step == 21 and ok.failures[0].lost_iters == 0
-    assert late.failures[0].restored_step == 20 and late.failures[0].lost_iters == 3
+    assert (ok.failures[0].step, ok.failures[0].restored_step) == (24, 21)
+    assert (late.failures[0].step, late.failures[0].restored_step) == (23, 20)
 
 
 def test_epoch_boundary_loses_more_than_a_small_fixed_k():
@@ -242,7 +242,9 @@ def test_properties_on_random_schedules(seed, k, mtbf, nodes, notice, ret):
     sched = Exponential(mtbf, seed=seed, notice_s=notice, return_after_s=ret)
     r = simulate(sched, FixedK(k=k), costs=costs, nodes=nodes, horizon_s=5_000.0)
     assert r == simulate(sched, FixedK(k=k), costs=costs, nodes=nodes, horizon_s=5_000.0)
-    assert 0 <= r.goodput <= r.failure_free_goodput + 1e-9
+    calm = simulate([], FixedK(k=k), costs=costs, nodes=nodes, horizon_s=5_000.0)
+    assert 0 <= r.goodput <= calm.goodput
+    assert calm.goodput == pytest.approx(calm.failure_free_goodput, abs=0.01)  # long run: asymptote
     assert r.wasted_worker_s >= -1e-6
     committed_lag = math.ceil(costs.commit_s / costs.iter_s)
     for f in r.failures:
