@@ -9,16 +9,20 @@ snapshot stall at the next gate) and at the next checkpoint (waiting for ``c``'s
 window is a run of whole intervals ``(c_j, c_j+1]`` between checkpointed steps, closed once it
 spans at least ``window_steps`` steps. Its overhead is ``sum(iter_s) / (n Ti) - 1`` with ``Ti``
 the iteration time without checkpointing, and ``C = extra time / checkpoints`` is what one
-checkpoint really costs on the critical path.
+checkpoint really costs on the critical path. Of that, ``W`` (the stall reported at the
+checkpoint steps) is the wait for the previous persist, which a longer interval removes, and
+``C0 = C - W`` is the cost every checkpoint keeps.
 
 Decisions, with hysteresis so ``k`` does not oscillate:
 
-* overhead > ``raise_above * p``: raise ``k`` at once to ``ceil(C / (p Ti))`` (``C`` shrinks as
-  ``k`` grows, so one step suffices), at least ``k + 1``;
-* overhead < ``lower_below * p`` for ``lower_patience`` windows in a row: lower ``k`` to reach
-  ``lower_target * p`` with the worst ``C`` of those windows, never below the interval that still
-  hides the persist (``k_persist`` from the latest measured snapshot and persist times) nor the
-  MTBF optimum;
+* overhead > ``raise_above * p``: raise ``k`` at once, to where the persist fits
+  (``k + ceil(W / Ti)``) and the rest meets the target (``ceil(C0 / (lower_target p Ti))``),
+  at least ``k + 1``;
+* overhead < ``lower_below * p`` (and no persist wait) for ``lower_patience`` windows in a row:
+  lower ``k`` to reach ``lower_target * p`` with the worst ``C0`` of those windows, never below
+  the interval that still hides the persist (``k_persist`` from the latest measured snapshot and
+  persist times), nor the MTBF optimum, nor to an interval at which a persist wait was seen
+  (unless persists got 20% faster since);
 * the first interval after a change is discarded (it mixes the old and the new ``k``).
 
 ``Ti`` is re-measured from quiet steps (no checkpoint in the step, no stall, no persist in
@@ -54,7 +58,8 @@ class TunerConfig:
     k_max: int = 1_000_000
     """Never propose more iterations than this between checkpoints."""
     ema: float = 0.5
-    """Weight of the newest sample in the running snapshot and persist times (0 < ema <= 1)."""
+    """Weight of the newest sample in the running snapshot and persist times (0 < ema <= 1);
+    a persist slower than the running value replaces it at once (be quick to back off)."""
 
     def __post_init__(self):
         if not (isinstance(self.window_steps, int) and self.window_steps >= 1):
@@ -128,6 +133,7 @@ class Tuner:
         self._low_streak: list[float] = []
         self._persist_pending = False
         self._after_ckpt = False
+        self._wait_seen: tuple[int, float] | None = None  # (k, Ts) when a persist wait was seen
 
     # ---- derived numbers ---------------------------------------------------------------------
     @property
@@ -154,6 +160,7 @@ class Tuner:
         self._n = 0
         self._sum = 0.0
         self._ckpts = 0
+        self._wait = 0.0
         self._quiet: list[float] = []
 
     def observe(self, m: StepMeasurement) -> Change | None:
@@ -161,7 +168,7 @@ class Tuner:
         quiet = self.is_quiet(m)
         a = self.config.ema
         if m.persist_s is not None:
-            self.Ts = a * m.persist_s + (1 - a) * self.Ts
+            self.Ts = max(m.persist_s, a * m.persist_s + (1 - a) * self.Ts)
             self._persist_pending = False
         if m.snapshot_s is not None and (m.snapshot_device in (None, self.mode)):
             self.Tsnap = a * m.snapshot_s + (1 - a) * self.Tsnap
@@ -182,6 +189,7 @@ class Tuner:
         self._n += len(steps)
         self._sum += sum(t for t, _ in steps)
         self._ckpts += 1
+        self._wait += m.stall_s  # at a checkpoint step: waiting for the previous persist
         self._quiet.extend(t for t, q in steps if q)
         if self._n < self.config.window_steps:
             return None
@@ -194,10 +202,6 @@ class Tuner:
                 and not self._persist_pending)
 
     # ---- decisions ---------------------------------------------------------------------------
-    def _persist_wait(self, k: int) -> float:
-        """Modelled wait per checkpoint for the previous persist when the interval is ``k``."""
-        return max(self.Tsnap + self.Ts - self.To_model - k * self.Ti, 0.0)
-
     def _k_for(self, C0: float, target: float) -> int:
         """Smallest k at or above the floor whose overhead ``(C0 + wait(k)) / (k Ti)`` meets
         ``target``; above the floor the wait is 0, so it is ``ceil(C0 / (target Ti))``."""
@@ -207,18 +211,22 @@ class Tuner:
         cfg = self.config
         if len(self._quiet) >= 5:
             self.Ti = statistics.median(self._quiet)
-        n, total, c = self._n, self._sum, self._ckpts
+        n, total, c, wait = self._n, self._sum, self._ckpts, self._wait
         self._reset_window()
         extra = total - n * self.Ti
         overhead = extra / (n * self.Ti)
         self.last_overhead = overhead
         C = max(extra, 0.0) / c
+        W = min(wait / c, C)
+        k_fit = self.k + freq._ceil(W / self.Ti) if W > 0 else 0  # the persist would have fitted
+        if k_fit and (self._wait_seen is None or k_fit >= self._wait_seen[0]):
+            self._wait_seen = (k_fit, self.Ts)
         # what one checkpoint costs beyond waiting for its predecessor's persist
-        C0 = max(C - self._persist_wait(self.k), 0.0)
+        C0 = C - W
         self.To_meas = C0 if self.To_meas is None else cfg.ema * C0 + (1 - cfg.ema) * self.To_meas
         p = self.p
         inputs = {"overhead": overhead, "p": p, "steps": n, "checkpoints": c, "Ti": self.Ti,
-                  "C": C, "C0": C0, "Tsnap": self.Tsnap, "Ts": self.Ts, "mode": self.mode,
+                  "C": C, "W": W, "C0": C0, "Tsnap": self.Tsnap, "Ts": self.Ts, "mode": self.mode,
                   "k_floor": self.k_floor()}
         if self.mtbf_s is not None:
             inputs["mtbf_s"] = self.mtbf_s
@@ -226,7 +234,7 @@ class Tuner:
         target = cfg.lower_target * p
         if overhead > cfg.raise_above * p:
             self._low_streak = []
-            want = max(k + 1, self._k_for(C0, target))
+            want = max(k + 1, k_fit, self._k_for(C0, target))
             k_new = min(want, math.ceil(k * cfg.max_factor), cfg.k_max)
             why = f"overhead={overhead * 100:.2f}% > {cfg.raise_above * p * 100:.3g}%"
         elif self.k_floor() > k * 1.1:
@@ -235,13 +243,19 @@ class Tuner:
             self._low_streak = []
             k_new = min(self.k_floor(), math.ceil(k * cfg.max_factor), cfg.k_max)
             why = f"k_floor={self.k_floor()} > k={k} (overhead={overhead * 100:.2f}%)"
-        elif overhead < cfg.lower_below * p:
+        elif overhead < cfg.lower_below * p and W == 0:
             self._low_streak.append(C0)
             if len(self._low_streak) < cfg.lower_patience:
                 return None
             worst = max(self._low_streak)
             self._low_streak = []
             k_new = max(self._k_for(worst, target), math.floor(k / cfg.max_factor), 1)
+            if self._wait_seen is not None:
+                kw, ts = self._wait_seen
+                if self.Ts < 0.8 * ts:
+                    self._wait_seen = None  # persists got clearly faster: that interval may do now
+                else:
+                    k_new = max(k_new, kw)
             if k_new >= k:
                 return None
             why = (f"overhead < {cfg.lower_below * p * 100:.3g}% for {cfg.lower_patience} windows "
@@ -256,7 +270,7 @@ class Tuner:
         self._skip = 1
         self._interval = []
         mt = f" MTBF={self.mtbf_s:.4g}s" if self.mtbf_s is not None else ""
-        reason = (f"k={k_new} because {why} over {n} steps: Ti={self.Ti:.3g}s C={C:.3g}s "
+        reason = (f"k={k_new} because {why} over {n} steps: Ti={self.Ti:.3g}s C={C:.3g}s W={W:.3g}s "
                   f"T{'g' if self.mode == 'gpu' else 'c'}={self.Tsnap:.3g}s Ts={self.Ts:.3g}s "
                   f"p={p * 100:.3g}%{mt}")
         return Change(step=step, k_old=k, k_new=k_new, reason=reason, inputs=inputs)

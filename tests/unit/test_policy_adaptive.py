@@ -39,16 +39,18 @@ def simulate(policies, steps, *, Ti=0.1, Tw=0.01, Tsnap=0.02, To=0.02, Ts=lambda
         decisions = [p.should_checkpoint(s) for p in policies]
         assert len(set(decisions)) == 1, f"ranks disagree at step {s}: {decisions}"
         took = decisions[0]
+        done = None
         if took:
             wait = max(0.0, persist_end - (t + it))
             it, stall = it + wait, stall + wait
+            if inflight is not None:  # waited for it: harvested in this very step
+                done, inflight = inflight[1], None
             persist_end = t + it + Tsnap + Ts(s)
             inflight = (persist_end, Tsnap + Ts(s))
             snap_stall = To
         t += it
         base_time += Ti
-        done = None
-        if inflight is not None and inflight[0] <= t:
+        if inflight is not None and inflight[0] <= t and done is None:
             done, inflight = inflight[1], None
         for r, p in enumerate(policies):
             me = r == writer
@@ -132,14 +134,15 @@ def _tuner(k=10, **cfg):
     return Tuner(TunerConfig(window_steps=50, **cfg), p=0.035, profile=prof, k=k, mode="cpu")
 
 
-def _feed(tuner, k, extra, intervals, start=1):
-    """``intervals`` intervals of ``k`` steps; the checkpoint step costs ``extra`` more."""
+def _feed(tuner, k, extra, intervals, start=1, wait=0.0):
+    """``intervals`` intervals of ``k`` steps; the checkpoint step costs ``extra`` more, of which
+    ``wait`` is a stall for the previous persist."""
     out, s = [], start
     for _ in range(intervals):
         for i in range(k):
             last = i == k - 1
             ch = tuner.observe(StepMeasurement(step=s, iter_s=0.1 + (extra if last else 0.0),
-                                               checkpointed=last, stall_s=extra if last else 0.0))
+                                               checkpointed=last, stall_s=wait if last else 0.0))
             if ch:
                 out.append(ch)
             s += 1
@@ -183,6 +186,17 @@ def test_tuner_lowers_only_after_patience_and_never_below_the_persist_floor():
     t3 = _tuner(k=100)
     _feed(t3, 100, 0.0, intervals=3)
     assert [c.k_new for c in _feed(t3, 100, 0.0, intervals=1, start=301)] == [12]
+
+
+def test_a_persist_wait_raises_k_to_where_the_persist_fits():
+    t = _tuner(k=10)
+    # each checkpoint waits 1.2 s for the previous persist (+ 0.01 s of its own)
+    changes = _feed(t, 10, 1.21, intervals=7, wait=1.2)
+    # k + ceil(1.2 / 0.1) = 22 lets the persist finish; C0 = 0.01 s alone would allow 4
+    assert [c.k_new for c in changes] == [22]
+    assert changes[0].inputs["W"] == pytest.approx(1.2) and "W=1.2s" in changes[0].reason
+    # no lowering back below 22 while persists are as slow as when the wait was seen
+    assert _feed(t, 22, 0.0, intervals=20, start=1000) == []
 
 
 def test_tuner_band_between_thresholds_is_stable():
