@@ -10,6 +10,17 @@ running ``cfdist.fit`` job lives beside it and is the only part that touches pro
 - :mod:`~cfdist.chaos.simulator`: :func:`simulate` a policy against a schedule.
 - :mod:`~cfdist.chaos.metrics`: the JSONL event-log schema and :func:`metrics_from_log`.
 - :mod:`~cfdist.chaos.plots`: PNG figures (imports matplotlib; not imported here).
+
+Example: what the AWS p3 spot trace costs an 8-node job under CheckFreq's k::
+
+    from cfdist.chaos import Auto, Costs, EpochBoundary, TraceReplay, bundled_trace, compare
+
+    trace = TraceReplay(bundled_trace("bamboo-p3-trace.csv"))
+    costs = Costs(iter_s=0.5, stall_s=0.1, snapshot_s=1.8, persist_s=12.0,
+                  restore_s=30.0, restart_s=60.0, detect_s=10.0)
+    for r in compare(trace, [EpochBoundary(iters_per_epoch=7200), Auto()], costs=costs,
+                     nodes=8, horizon_s=trace.span_s(8)):
+        print(r.label, r.k, f"{r.goodput:.2f}", r.lost_iters_mean)
 """
 
 from cfdist.chaos.events import FailureEvent, Schedule

@@ -93,7 +93,7 @@ def check_job_args(num_nodes: int, horizon_s: float) -> None:
     """Raise ValueError unless ``num_nodes`` >= 1 and ``horizon_s`` >= 0 (shared by schedules)."""
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes must be an int >= 1 (the job's node count), got {num_nodes!r}")
-    if not (horizon_s >= 0 and horizon_s == horizon_s):
+    if not horizon_s >= 0:  # also refuses NaN
         raise ValueError(f"horizon_s must be >= 0 seconds (math.inf for all events), got {horizon_s!r}")
 
 
