@@ -6,7 +6,7 @@ cfdist once, then reads one JSON command per line on stdin and answers one JSON 
 * ``{"op": "start", "prog": "crash"|"bitexact", "args": {...}}`` -> ``{"pid": N}``: forks a
   child that runs the program and ``_exit``\\ s (0 on success, 1 with ``<out>/error-<run>.txt``);
 * ``{"op": "poll", "pid": N}`` -> ``{"pid": N, "code": rc}``: ``rc`` is None while it runs, the
-  exit status once it ended (``-9`` after SIGKILL), and the child is reaped then;
+  exit status once it ended (``-9`` after SIGKILL; the child is reaped, its status kept);
 * ``{"op": "quit"}``.
 
 A forked child is a real process with its own threads (the checkpointer's snapshot and persist
@@ -228,6 +228,7 @@ def serve() -> None:
     warm_up()
     out = sys.stdout
     sys.stdout = sys.stderr  # nothing but answers on the command pipe
+    ended: dict[int, int] = {}  # pid -> exit status of reaped children (poll may be asked again)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "start":
@@ -236,8 +237,11 @@ def serve() -> None:
                 _child(cmd["prog"], cmd["args"])
             answer = {"pid": pid}
         elif cmd["op"] == "poll":
-            pid, status = os.waitpid(cmd["pid"], os.WNOHANG)
-            answer = {"pid": cmd["pid"], "code": os.waitstatus_to_exitcode(status) if pid else None}
+            if cmd["pid"] not in ended:
+                pid, status = os.waitpid(cmd["pid"], os.WNOHANG)
+                if pid:
+                    ended[pid] = os.waitstatus_to_exitcode(status)
+            answer = {"pid": cmd["pid"], "code": ended.get(cmd["pid"])}
         elif cmd["op"] == "quit":
             break
         else:

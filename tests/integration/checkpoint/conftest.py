@@ -49,6 +49,14 @@ class Children:
         return self._ask(op="poll", pid=pid)["code"]
 
     def kill(self, pid: int) -> int:
+        """SIGKILL child ``pid`` unless it already ended; returns its exit status.
+
+        Safe against pid reuse: only the server reaps, so a child not yet seen ended by
+        ``poll`` is alive or a zombie, and its pid cannot belong to another process.
+        """
+        code = self.poll(pid)
+        if code is not None:
+            return code
         os.kill(pid, signal.SIGKILL)
         return self.wait(pid, timeout=30)
 
