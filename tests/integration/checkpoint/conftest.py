@@ -1,7 +1,8 @@
 """Fixtures of the checkpoint integration tests: a fork server for training children, small states.
 
-``children`` (session): a :class:`Children` client of ``ckpt_child.py`` running as a fork server,
-started once (one torch import) and shared by the crash and bit-exact tests.
+``children``: a :class:`Children` client of ``ckpt_child.py`` running as a fork server, started
+once per session (one torch import) and shared by the crash and bit-exact tests; children a
+test leaves running are killed when it ends.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Children:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.log_path = log_path
+        self.live: set[int] = set()
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-u", str(HERE / "ckpt_child.py")], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
@@ -43,10 +45,20 @@ class Children:
 
     def start(self, prog: str, **args) -> int:
         """Fork a child running ``prog(args)``; returns its pid (the caller may SIGKILL it)."""
-        return self._ask(op="start", prog=prog, args=args)["pid"]
+        pid = self._ask(op="start", prog=prog, args=args)["pid"]
+        self.live.add(pid)
+        return pid
 
     def poll(self, pid: int) -> int | None:
-        return self._ask(op="poll", pid=pid)["code"]
+        code = self._ask(op="poll", pid=pid)["code"]
+        if code is not None:
+            self.live.discard(pid)
+        return code
+
+    def kill_all(self) -> None:
+        """SIGKILL every child still running (a failed test must not leave one training)."""
+        for pid in sorted(self.live):
+            self.kill(pid)
 
     def kill(self, pid: int) -> int:
         """SIGKILL child ``pid`` unless it already ended; returns its exit status.
@@ -88,6 +100,7 @@ class Children:
 
     def close(self) -> None:
         try:
+            self.kill_all()
             self.proc.stdin.close()  # the server's loop ends at EOF
             self.proc.wait(timeout=30)
         finally:
@@ -95,10 +108,17 @@ class Children:
 
 
 @pytest.fixture(scope="session")
-def children(tmp_path_factory):
+def _fork_server(tmp_path_factory):
     c = Children(tmp_path_factory.mktemp("fork-server") / "server.log")
     yield c
     c.close()
+
+
+@pytest.fixture
+def children(_fork_server):
+    """The fork server's client; children a test leaves running are killed after it."""
+    yield _fork_server
+    _fork_server.kill_all()
 
 
 @pytest.fixture
