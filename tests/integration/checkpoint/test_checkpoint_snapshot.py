@@ -23,11 +23,12 @@ def _run(ckpt, model, opt, sched, steps: int, every: int) -> dict[int, dict]:
     """The ordinary loop; at every checkpoint step i, deep copies of what the checkpoint must hold:
     the state right after optimizer step i, the scheduler after its step i, the RNG before forward i+1."""
     g = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
     want: dict[int, dict] = {}
     for i in range(1, steps + 1):
-        x = torch.randn(8, 16, generator=g)        # no draw from the global RNG: only dropout draws
+        x = torch.randn(8, 16, generator=g).to(device)   # no draw from the global RNG: only dropout draws
         if i - 1 in want:
-            want[i - 1]["rng"] = torch.get_rng_state()
+            want[i - 1].update(_rng(device))
         model(x).pow(2).mean().backward()
         ckpt.step(opt)
         if i % every == 0:
@@ -37,20 +38,29 @@ def _run(ckpt, model, opt, sched, steps: int, every: int) -> dict[int, dict]:
             want[i]["sched"] = copy.deepcopy(sched.state_dict())
             want[i]["lr"] = [grp["lr"] for grp in opt.param_groups]
         opt.zero_grad()
-    want[steps]["rng"] = torch.get_rng_state()
+    want[steps].update(_rng(device))
     ckpt.close()
     return want
 
 
+def _rng(device) -> dict:
+    out = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return out
+
+
 def _assert_checkpoint_is(got: dict, want: dict, step: int) -> None:
     for name, t in want["model"].items():
-        assert torch.equal(got["state"]["model"][name], t), f"step {step}: {name} is not the one after update {step}"
+        assert torch.equal(got["state"]["model"][name], t.cpu()), f"step {step}: {name} is not the one after update {step}"
     for i, s in want["optim"].items():
         for key, t in s.items():
-            assert torch.equal(got["state"]["optim"]["state"][i][key], t), f"step {step}: optimizer {i}.{key}"
+            assert torch.equal(got["state"]["optim"]["state"][i][key], t.cpu()), f"step {step}: optimizer {i}.{key}"
     assert got["state"]["sched"] == want["sched"], f"step {step}: scheduler is not the one after its step {step}"
     assert [grp["lr"] for grp in got["state"]["optim"]["param_groups"]] == want["lr"]
     assert torch.equal(got["rng"]["torch"], want["rng"]), f"step {step}: RNG is not the one before forward {step + 1}"
+    if "cuda_rng" in want:
+        assert torch.equal(got["rng"]["cuda"][want.get("cuda_index", 0)], want["cuda_rng"]), f"step {step}: CUDA RNG"
 
 
 def test_snapshot_is_the_end_of_its_iteration_while_training_runs_ahead(memory_url):
@@ -123,3 +133,52 @@ def test_save_persists_each_step_once(memory_url, caplog):
     assert ckpt.stats["checkpoints"] == 2 and ckpt.stats["errors"] == 0
     assert committed_steps(open_storage(memory_url)) == [2, 3]
     assert "replacing step" not in caplog.text
+
+
+class _GpuEvery:
+    """``Every(k)`` whose snapshots go to spare GPU memory (``mode="gpu"``), as ``cfdist.Auto`` may choose."""
+
+    mode = "gpu"
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
+        return step % self.k == 0
+
+    def observe(self, m) -> None:
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_memory_snapshot_is_the_end_of_its_iteration(memory_url):
+    """A CUDA model snapshotted into spare GPU memory, staged to host while training continues.
+
+    Real: a CUDA model and Adam, the device-to-device snapshot on a side stream, the background
+    device-to-host staging, the thread persist backend, ``memory://``. Faked: the policy (a
+    fixed ``Every(2)`` that asks for GPU snapshots).
+    The point: each committed checkpoint equals the state right after its optimizer step
+    (parameters, Adam moments), the scheduler after its step, the CPU and CUDA RNG before the
+    next forward; and a restore into a fresh CUDA model gives the last one back.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = _model(256).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, memory_url, _GpuEvery(2), keep=100)
+    want = _run(ckpt, model, opt, sched, steps=10, every=2)
+    assert ckpt.stats["checkpoints"] == 5 and ckpt.stats["errors"] == 0
+    for step, w in want.items():
+        w["cuda_index"] = device.index
+        _assert_checkpoint_is(cfdist.load(memory_url, step=step), w, step)
+
+    fresh = _model(256).to(device)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    ckpt2 = cfdist.Checkpointer({"model": fresh, "optim": fresh_opt,
+                                 "sched": torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=3, gamma=0.5)},
+                                memory_url, _GpuEvery(2))
+    assert ckpt2.restore() == 10
+    for name, t in fresh.state_dict().items():
+        assert t.is_cuda and torch.equal(t, model.state_dict()[name])
+    ckpt2.close()
