@@ -150,12 +150,12 @@ def run_mode(mode: str, args, root: str) -> dict:
     return r0
 
 
-def raw_bandwidth(nbytes: int, root: str) -> float:
+def raw_bandwidth(nbytes: int, root: str, reps: int = 3) -> float:
     """Bytes/s of a plain write + fsync of ``nbytes`` in 16 MiB chunks on the same disk."""
     buf = memoryview(os.urandom(16 << 20))
     path = os.path.join(root, "raw.bin")
     best = 0.0
-    for _ in range(3):
+    for _ in range(reps):
         t = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         left = nbytes
@@ -168,6 +168,30 @@ def raw_bandwidth(nbytes: int, root: str) -> float:
     return best
 
 
+def isolated_persist_vs_raw(nbytes: int, root: str, reps: int = 5) -> tuple[float, float]:
+    """Median bytes/s of cfdist's write_checkpoint and of raw write+fsync, alternated, idle CPU."""
+    from cfdist.checkpoint.persist import PersistJob, ShardJob, write_checkpoint
+    from cfdist.checkpoint.snapshot import Snapshotter
+    from cfdist.storage import open_storages
+
+    n = max(nbytes // 4 // (1 << 20), 1)
+    snap = Snapshotter()
+    snap.start({f"t{i}": torch.randn(1 << 20) for i in range(n)})
+    snap.wait_copied()
+    d = tempfile.mkdtemp(dir=root)
+    sts = open_storages(f"file://{d}")
+    ours, raw = [], []
+    for rep in range(reps):
+        job = PersistJob(step=rep + 1, manifest={"skeleton": {}}, arenas=[a.buf for a in snap.host],
+                         shards=[ShardJob(index=0, count=1, root=0, nbytes=snap.nbytes, entries=snap.layout[0])])
+        t = time.perf_counter()
+        write_checkpoint(sts, job)
+        ours.append(snap.nbytes / (time.perf_counter() - t))
+        raw.append(raw_bandwidth(snap.nbytes, d, reps=1))
+    snap.close()
+    return sorted(ours)[reps // 2], sorted(raw)[reps // 2]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -177,6 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--repeat", type=int, default=2, help="rounds over all modes; the fastest round counts")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -186,11 +211,15 @@ def main(argv=None) -> int:
           f"model+Adam {3 * n_params * 4 / 1e6:.0f} MB), batch {args.batch}, {args.steps} steps, "
           f"checkpoint every {args.every}", flush=True)
     results = {}
-    for mode in args.modes.split(","):
-        args._port = _free_port()
-        t = time.perf_counter()
-        results[mode] = run_mode(mode, args, root)
-        print(f"  ran {mode:18s} in {time.perf_counter() - t:6.1f}s", flush=True)
+    for rnd in range(args.repeat):  # round-robin, so drifting machine load hits every mode alike
+        for mode in args.modes.split(","):
+            args._port = _free_port()
+            t = time.perf_counter()
+            r = run_mode(mode, args, root)
+            if mode not in results or r["wall"] < results[mode]["wall"]:
+                results[mode] = r
+            print(f"  round {rnd + 1}: {mode:18s} wall {r['wall']:6.2f}s (ran {time.perf_counter() - t:5.1f}s)",
+                  flush=True)
     base = results.get("none", {}).get("wall")
     print(f"\n{'mode':18s} {'wall s':>8s} {'overhead':>9s} {'stall/ckpt':>11s}")
     for mode, r in results.items():
@@ -206,9 +235,14 @@ def main(argv=None) -> int:
     if cf and cf.get("bytes"):
         bw = raw_bandwidth(cf["bytes"], root)
         got = cf["bytes"] / cf["persist_s"]
-        print(f"persist throughput: cfdist {got / 1e6:.0f} MB/s for {cf['bytes'] / 1e6:.0f} MB "
-              f"(write+checksum+fsync+commit) = {100 * got / bw:.0f}% of raw write+fsync {bw / 1e6:.0f} MB/s")
+        print(f"persist throughput during training: {got / 1e6:.0f} MB/s for {cf['bytes'] / 1e6:.0f} MB "
+              f"(write+checksum+fsync+commit, sharing the CPU with 2 training ranks) = "
+              f"{100 * got / bw:.0f}% of raw write+fsync {bw / 1e6:.0f} MB/s on an idle CPU")
+        iso, raw = isolated_persist_vs_raw(cf["bytes"], root)
+        print(f"persist throughput, idle CPU, same bytes (median of 5, alternated with raw): "
+              f"{iso / 1e6:.0f} MB/s = {100 * iso / raw:.0f}% of raw write+fsync {raw / 1e6:.0f} MB/s")
         results["raw_bw"] = bw
+        results["isolated"] = {"cfdist": iso, "raw": raw}
     shutil.rmtree(root, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
