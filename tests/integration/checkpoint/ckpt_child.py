@@ -41,9 +41,9 @@ def report(out: str, name: str, data: dict) -> None:
     os.replace(tmp, os.path.join(out, name))
 
 
-def leftovers(url: str) -> list[str]:
+def leftovers(url: str, options: dict) -> list[str]:
     """Staging dirs and uncommitted step dirs at the root of ``url``."""
-    st = open_storage(url)
+    st = open_storage(url, **options)
     committed = set(discovery.committed_steps(st))
     return [n for n in st.listdir("") if TMP_MARK in n
             or (parse_step_dir(n) is not None and parse_step_dir(n) not in committed)]
@@ -52,20 +52,21 @@ def leftovers(url: str) -> list[str]:
 # ---- crash consistency -----------------------------------------------------------------------
 
 def crash(a: dict) -> None:
-    """A 1M-parameter MLP under Adam (about 12 MB of state per checkpoint), ``Every(k)``.
+    """An MLP under Adam (``a["hidden"]`` 1024: 1M parameters, about 12 MB per checkpoint), ``Every(k)``.
 
     Restores, reports what it restored, then trains until killed (or ``a["steps"]`` more steps,
     then closes and reports again). Batches come from a generator seeded by the step number, so
-    the run needs no data state.
+    the run needs no data state. ``a["options"]``: storage options (an S3 endpoint).
     """
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    hidden, opts = a.get("hidden", 1024), a.get("options") or {}
+    model = torch.nn.Sequential(torch.nn.Linear(512, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 512))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, a["url"], cfdist.Every(a["k"]),
-                                   keep=a.get("keep", 1))
-        left = leftovers(a["url"])
+                                   keep=a.get("keep", 1), storage_options=opts)
+        left = leftovers(a["url"], opts)
         restored = ckpt.restore()
     osd = opt.state_dict()["state"]
     report(a["out"], f"restore-{a['run']}.json", {
