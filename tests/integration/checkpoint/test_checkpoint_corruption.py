@@ -8,7 +8,6 @@ attacker would, and restores into fresh live objects.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import warnings

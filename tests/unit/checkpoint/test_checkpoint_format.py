@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 import safetensors.torch
 import torch
 
 from cfdist.checkpoint.format import (
-    FORMAT, CheckpointError, TensorEntry, parse_safetensors_header, safetensors_header, validate_manifest,
+    FORMAT, CheckpointError, parse_safetensors_header, safetensors_header, validate_manifest,
 )
 from cfdist.checkpoint.snapshot import plan_layout
 
