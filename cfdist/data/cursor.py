@@ -155,3 +155,35 @@ class EpochCursor:
         self.epoch, self.consumed, self.done = resume_position(saved, self.layout, strict=strict)
         self.epoch_world_size = saved.epoch_world_size
         self.replan()
+
+
+class CursorPosition:
+    """The read-only position API shared by the sampler, the loader and the DALI iterator.
+
+    Subclasses keep their :class:`EpochCursor` in ``self._cursor``.
+    """
+
+    _cursor: EpochCursor
+    _last_padding: bool = False
+
+    @property
+    def layout(self) -> Layout:
+        return self._cursor.layout
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the last batch yielded (or of the next one, before the first)."""
+        return self._cursor.epoch
+
+    @property
+    def last_batch_is_padding(self) -> bool:
+        """The last batch yielded re-uses a sample (fewer samples than ranks were left)."""
+        return self._last_padding
+
+    def at_epoch_end(self) -> bool:
+        """True when the last batch yielded was the last of its epoch (same on every rank)."""
+        return self._cursor.done
+
+    def __len__(self) -> int:
+        """Batches (sampler: indices) per epoch on this rank, the same on every rank."""
+        return self._cursor.batches_per_epoch

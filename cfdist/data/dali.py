@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cfdist.data.cursor import EpochCursor
+from cfdist.data.cursor import CursorPosition, EpochCursor
 from cfdist.data.hooks import BeforeNextHooks
 from cfdist.data.partition import derive_seed
 from cfdist.data.state import DataState, IncompatibleDataState, Layout, resolve_world
@@ -49,7 +49,7 @@ def _to_torch(tl: Any, name: str, device_id: int | None) -> torch.Tensor:
     return out
 
 
-class DALIResumableIterator(BeforeNextHooks):
+class DALIResumableIterator(CursorPosition, BeforeNextHooks):
     """Batches from a DALI pipeline over this rank's share of each epoch, resumable exactly.
 
     Args:
@@ -241,23 +241,6 @@ class DALIResumableIterator(BeforeNextHooks):
         return [batch]
 
     # --- position ---------------------------------------------------------------------
-    @property
-    def layout(self) -> Layout:
-        return self._cursor.layout
-
-    @property
-    def epoch(self) -> int:
-        return self._cursor.epoch
-
-    @property
-    def last_batch_is_padding(self) -> bool:
-        """The last batch yielded re-uses a sample (fewer samples than ranks were left)."""
-        return self._last_padding
-
-    def at_epoch_end(self) -> bool:
-        """True when the last batch yielded was the last of its epoch (same on every rank)."""
-        return self._cursor.done
-
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; a no-op for the epoch in progress. Jumping
         elsewhere mid-epoch rebuilds the pipeline (its random state restarts from a seed)."""
@@ -270,10 +253,6 @@ class DALIResumableIterator(BeforeNextHooks):
         self._drop_pipeline()
         self._pending = None
         cur.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        """Batches per epoch on this rank (the same on every rank)."""
-        return self._cursor.batches_per_epoch
 
     def state_dict(self) -> dict:
         """Position (as :class:`ResumableLoader`) plus ``"dali"``, this rank's pipeline state.

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from cfdist.data.cursor import EpochCursor
+from cfdist.data.cursor import CursorPosition, EpochCursor
 from cfdist.data.hooks import BeforeNextHooks
 from cfdist.data.partition import derive_seed
 from cfdist.data.state import DataState, Layout, resolve_world
@@ -39,7 +39,7 @@ class _PlannedBatches:
         return self._cursor.steps_left
 
 
-class ResumableLoader(BeforeNextHooks):
+class ResumableLoader(CursorPosition, BeforeNextHooks):
     """Batches of ``dataset`` for this rank, resumable at any batch, exactly once per epoch.
 
     Call from the training process, one thread. Typical loop::
@@ -151,34 +151,12 @@ class ResumableLoader(BeforeNextHooks):
         self._it = None  # non-persistent workers shut down with their iterator
 
     # --- position ---------------------------------------------------------------------
-    @property
-    def layout(self) -> Layout:
-        return self._cursor.layout
-
-    @property
-    def epoch(self) -> int:
-        """Epoch of the last batch yielded (or of the next one, before the first)."""
-        return self._cursor.epoch
-
-    @property
-    def last_batch_is_padding(self) -> bool:
-        """The last batch yielded re-uses a sample (fewer samples than ranks were left)."""
-        return self._last_padding
-
-    def at_epoch_end(self) -> bool:
-        """True when the last batch yielded was the last of its epoch (same on every rank)."""
-        return self._cursor.done
-
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; a no-op for the epoch in progress (safe after a restore)."""
         if epoch == self._cursor.epoch and not self._cursor.done:
             return
         self._close()
         self._cursor.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        """Batches per epoch on this rank (the same on every rank)."""
-        return self._cursor.batches_per_epoch
 
     def state_dict(self) -> dict:
         """The position as JSON-able plain values; call between steps (after the optimizer step

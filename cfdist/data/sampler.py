@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 from torch.utils.data import Sampler
 
-from cfdist.data.cursor import EpochCursor
+from cfdist.data.cursor import CursorPosition, EpochCursor
 from cfdist.data.state import DataState, Layout, resolve_world
 
 
-class ResumableSampler(Sampler[int]):
+class ResumableSampler(CursorPosition, Sampler[int]):
     """Yields this rank's sample indices for the rest of the current epoch.
 
     Epoch ``e``'s order is ``epoch_permutation(seed, e)``; at each step every rank takes one
@@ -56,26 +56,10 @@ class ResumableSampler(Sampler[int]):
         )
         self._generation = 0
 
-    @property
-    def layout(self) -> Layout:
-        return self._cursor.layout
-
-    @property
-    def epoch(self) -> int:
-        return self._cursor.epoch
-
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; a no-op for the epoch in progress (safe after a restore)."""
         self._generation += 1
         self._cursor.set_epoch(epoch)
-
-    def at_epoch_end(self) -> bool:
-        """True when the last index handed out was the last of its epoch (same on every rank)."""
-        return self._cursor.done
-
-    def __len__(self) -> int:
-        """Indices per epoch on this rank (padding included)."""
-        return self._cursor.batches_per_epoch
 
     def __iter__(self) -> Iterator[int]:
         self._generation += 1
