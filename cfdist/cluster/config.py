@@ -1,0 +1,125 @@
+"""``FitConfig``: every setting of a ``cfdist.fit`` run, validated once on the driver.
+
+Live objects (the training function, a policy instance, a failure schedule, callbacks) are
+arguments of :func:`cfdist.fit`, never fields here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+NODE_PLACEHOLDER = "{node}"
+"""In a ``storage`` URL, replaced on each node by its name (label ``cfdist-node``, else hostname)."""
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def _urls(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(f"storage must be a URL or a non-empty list of URLs (one per local disk), got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    """Settings of one ``cfdist.fit`` run. Build it on the driver; it is pickled to actors."""
+
+    storage: tuple[str, ...]
+    """Node-local tier: one URL per local disk, striped (``file:///mnt/ssd/cfdist``). The same
+    path is used on every node; ``{node}`` in it is replaced by the node's name, which gives
+    each fake node of a one-machine test cluster its own directory."""
+    shared_storage: str | None = None
+    """Durable tier reachable from every node (``s3://bucket/runs``, NFS), written less often;
+    None: no shared tier (a lost node is then recovered from a surviving node only)."""
+    run_name: str = "cfdist"
+    """Name of the run: a directory under each storage root. A later ``fit`` with the same
+    name and storage resumes from its newest checkpoint."""
+    num_nodes: int = 1
+    """Nodes to train on (one NodeCheckpointer actor and ``workers_per_node`` ranks each)."""
+    workers_per_node: int = 1
+    """Ranks per node (processes; one GPU each with ``use_gpu``)."""
+    use_gpu: bool = False
+    """One GPU per rank, NCCL; otherwise CPU and gloo."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved per rank (0 allowed: then ranks are placed by node affinity only)."""
+    min_nodes: int = 1
+    """Smallest group to continue on after losing nodes (elastic); fewer fails the run."""
+    max_failures: int = 10
+    """Failures (crashes, lost nodes) tolerated; one more ends the run with an error."""
+    wait_for_nodes_s: float = 120.0
+    """How long recovery waits for ``min_nodes`` usable nodes before giving up."""
+    memory_tier: bool = True
+    """Keep the newest snapshot in /dev/shm on each node (survives a crashed worker)."""
+    local_tier: bool = True
+    """Persist every checkpoint to the node-local ``storage`` (False: memory + shared only)."""
+    shared_every: int = 10
+    """Copy every n-th checkpoint of node 0 to ``shared_storage`` (and always the final one)."""
+    peer_copy: bool = True
+    """Give a replacement node the chosen checkpoint from a surviving node's actor (else: only
+    shared storage can seed it)."""
+    keep: int = 1
+    """Committed checkpoints kept per tier (the one in flight comes on top)."""
+    poll_s: float = 0.2
+    """Driver polling period: failure detection latency and progress refresh."""
+    rendezvous_timeout_s: float = 120.0
+    """torch.distributed init and collective timeout (a hung collective fails after this)."""
+    event_log: str | None = None
+    """Path of the JSONL event log; None: ``./cfdist-runs/<run_name>/events-<time>.jsonl``."""
+    progress: bool = True
+    """Show a progress bar on the driver (rich)."""
+    storage_options: dict | None = None
+    """fsspec options for ``shared_storage`` (credentials, endpoint_url); never logged."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "storage", _urls(self.storage))
+        for u in self.storage:
+            if "://" in u and not u.startswith(("file://", "local://")):
+                raise ValueError(f"storage {u!r} must be node-local (file://...); put object stores "
+                                 f"in shared_storage=")
+            if "://" not in u and not u.startswith("/"):
+                raise ValueError(f"storage {u!r} must be an absolute path or a file:// URL: a relative "
+                                 f"path resolves differently in each Ray worker")
+        if not _RUN_NAME.match(self.run_name or ""):
+            raise ValueError(f"run_name {self.run_name!r} must be 1-100 letters, digits, '.', '_' or '-' "
+                             f"(it becomes a directory name)")
+        for name in ("num_nodes", "workers_per_node", "min_nodes", "shared_every", "keep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ValueError(f"max_failures must be an int >= 0, got {self.max_failures!r}")
+        if self.min_nodes > self.num_nodes:
+            raise ValueError(f"min_nodes={self.min_nodes} exceeds num_nodes={self.num_nodes}; "
+                             f"use min_nodes <= num_nodes")
+        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        if not (isinstance(self.cpus_per_worker, (int, float)) and self.cpus_per_worker >= 0):
+            raise ValueError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker!r}")
+        if not (self.memory_tier or self.local_tier or self.shared_storage):
+            raise ValueError("no tier to write to: enable memory_tier or local_tier, or set shared_storage")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the full-size group."""
+        return self.num_nodes * self.workers_per_node
+
+    def local_urls(self, node_name: str) -> list[str]:
+        """The node-local tier's URLs on the node called ``node_name`` (placeholder filled, run dir)."""
+        return [f"{_as_url(u).replace(NODE_PLACEHOLDER, node_name).rstrip('/')}/{self.run_name}"
+                for u in self.storage]
+
+    def shared_url(self) -> str | None:
+        """The shared tier's URL for this run, or None."""
+        if not self.shared_storage:
+            return None
+        return f"{self.shared_storage.rstrip('/')}/{self.run_name}"
+
+
+def _as_url(u: str) -> str:
+    return u if "://" in u else f"file://{u}"

@@ -1,0 +1,198 @@
+"""``TrainContext``: what a training function running under ``cfdist.fit`` sees on its rank.
+
+::
+
+    def train_loop(ctx: cfdist.TrainContext) -> None:
+        model = DDP(Net().to(ctx.device))                 # torch.distributed is initialised
+        loader = cfdist.ResumableLoader(dataset, 32, seed=0)
+        ckpt = ctx.checkpointer({"model": model, "optim": opt, "data": loader})
+        ckpt.restore()                                    # the step the controller chose, or None
+        for epoch in range(loader.epoch + loader.at_epoch_end(), epochs):
+            for x, y in loader:
+                loss = loss_fn(model(x), y); loss.backward()
+                ckpt.step(opt); opt.zero_grad()
+                ctx.report(loss=loss.item())
+
+Everything here runs in the rank's worker actor, on its training thread, except
+:meth:`TrainContext._notify` and :meth:`TrainContext._drain` (called by the driver through the
+actor on another thread; they only touch lock-protected fields).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cfdist.checkpoint import Checkpointer
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInfo:
+    """Where a rank sits in the group (sent by the driver when the worker is created)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    attempt: int
+
+
+class TrainContext:
+    """Per-rank view of the run. Built by the worker actor; users receive it, never build it."""
+
+    def __init__(self, *, info: RankInfo, device: torch.device, tiers: dict, node_actor, policy,
+                 keep: int, restore_step: int | None, restore_tier: str):
+        self._info = info
+        self.device = device
+        """``torch.device`` of this rank (``cuda:0`` of its visible GPU, or ``cpu``)."""
+        self._tiers = tiers
+        self._node_actor = node_actor
+        self._policy = policy
+        self._keep = keep
+        self._restore_step = restore_step
+        self._restore_tier = restore_tier
+        self._lock = threading.Lock()
+        self._records: collections.deque = collections.deque()
+        self._preempted = threading.Event()
+        self._save_requested = False
+        self._step = 0
+        self._ckpts: list[_FitCheckpointer] = []
+
+    # ---- identity ------------------------------------------------------------------------------
+    rank = property(lambda self: self._info.rank, doc="Global rank (0 .. world_size-1).")
+    world_size = property(lambda self: self._info.world_size, doc="Ranks in this attempt's group.")
+    local_rank = property(lambda self: self._info.local_rank, doc="Rank on this node.")
+    local_world_size = property(lambda self: self._info.local_world_size, doc="Ranks on this node.")
+    node_rank = property(lambda self: self._info.node_rank, doc="This node's position in the group.")
+    num_nodes = property(lambda self: self._info.num_nodes, doc="Nodes in this attempt's group.")
+    attempt = property(lambda self: self._info.attempt, doc="0 for the first group, +1 per restart.")
+
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption notice for this rank's node arrived (the node will go away;
+        a checkpoint is already being taken at the next step). Cheap; poll it freely."""
+        return self._preempted.is_set()
+
+    @property
+    def restore_step(self) -> int | None:
+        """The step the controller chose for this attempt (None: start from scratch)."""
+        return self._restore_step
+
+    # ---- the two calls a loop makes ----------------------------------------------------------------
+    def checkpointer(self, state: dict, policy=None, **kwargs) -> Checkpointer:
+        """A :class:`cfdist.Checkpointer` wired to this node's actor and tiers.
+
+        Call once per rank, after building the model/optimizer/loader, before training. Local
+        rank 0 of each node writes (through the node actor); other ranks only count steps. Its
+        ``restore()`` loads the step the controller chose for every rank of this attempt. A
+        DDP model in ``state`` gets the carrier hook of ``cfdist.Auto`` attached (no-op for
+        fixed policies). Extra keyword arguments go to the Checkpointer (``verify``, ...).
+        """
+        from cfdist.checkpoint.sync import attach_sync_hook
+        from cfdist.cluster.node_actor import ActorBackend
+
+        policy = policy if policy is not None else _fresh(self._policy)
+        node_tiers = [u for u in (self._tiers.get("memory"), self._tiers.get("local")) if u]
+        ck = _FitCheckpointer(
+            self, state, node_tiers[0], policy, keep=self._keep, rank=self.rank,
+            world_size=self.world_size, writer=self.local_rank == 0,
+            backend=ActorBackend(self._node_actor, self.attempt), restore_from=node_tiers[1:], **kwargs)
+        for obj in state.values():
+            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                attach_sync_hook(obj, ck.policy)
+        self._ckpts.append(ck)
+        return ck
+
+    def report(self, **metrics) -> None:
+        """Attach metrics (plain numbers) to the current step; shown in the progress bar and
+        written to the event log (rank 0's). Non-blocking; call on any rank, any time."""
+        clean = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        if self.rank != 0:
+            return
+        with self._lock:
+            last = self._records[-1] if self._records else None
+            if last is not None and last["type"] == "step" and last["step"] == self._step:
+                last.update(clean)
+            else:
+                self._records.append({"type": "metrics", "step": self._step, "t": time.time(), **clean})
+
+    # ---- hooks from the checkpointer -------------------------------------------------------------
+    def _on_step(self, ck: "_FitCheckpointer") -> bool:
+        """After every ``ckpt.step``: record the step; True when a save was requested."""
+        self._step = ck.step_count
+        with self._lock:
+            if self.rank == 0:
+                self._records.append({"type": "step", "step": ck.step_count, "t": time.time(),
+                                      "stall_s": round(ck._stats["stall_s"], 6)})
+            save, self._save_requested = self._save_requested, False
+        return save
+
+    def _on_restored(self, step: int | None, seconds: float) -> None:
+        self._step = step or 0
+        with self._lock:
+            self._records.append({"type": "restored", "rank": self.rank, "step": step or 0,
+                                  "tier": self._restore_tier if step else "none",
+                                  "restore_s": round(seconds, 6), "t": time.time()})
+
+    # ---- driver side (another thread of the worker actor) ------------------------------------------
+    def _notify(self, *, preempted: bool, save: bool) -> None:
+        """A preemption notice: set ``preempted`` (this node goes away); with ``save``,
+        checkpoint at the next step (every node's writer does: a surviving copy covers)."""
+        if preempted:
+            self._preempted.set()
+        if save:
+            with self._lock:
+                self._save_requested = True
+
+    def _drain(self) -> list[dict]:
+        with self._lock:
+            out = list(self._records)
+            self._records.clear()
+        return out
+
+    def _finish(self) -> dict:
+        """After the loop returned: commit a final checkpoint of every checkpointer, close them."""
+        out = {}
+        for ck in self._ckpts:
+            if not getattr(ck, "_closed", False):
+                if ck.writer and ck.step_count and ck.latest_step != ck.step_count:
+                    ck.save(block=True)
+                ck.close()
+            out = {"final_step": ck.step_count, "latest_step": ck.latest_step,
+                   "stall_s": ck._stats["stall_s"], "checkpoints": ck._stats["checkpoints"]}
+        return out
+
+
+class _FitCheckpointer(Checkpointer):
+    """A Checkpointer that tells its TrainContext about steps, restores and save requests."""
+
+    def __init__(self, ctx: TrainContext, *args, **kwargs):
+        self._ctx = ctx
+        super().__init__(*args, **kwargs)
+
+    def step(self, optimizer=None, closure=None):
+        out = super().step(optimizer, closure)
+        if self._ctx._on_step(self) and self.writer:
+            self.save(block=False)   # preemption notice: checkpoint this step now
+        return out
+
+    def restore(self, step: int | None = None) -> int | None:
+        """Load the step the controller chose (``step`` overrides it); None: nothing to load."""
+        want = step if step is not None else self._ctx.restore_step
+        t0 = time.perf_counter()
+        got = super().restore(want) if want is not None else None
+        self._ctx._on_restored(got, time.perf_counter() - t0)
+        return got
+
+
+def _fresh(policy):
+    """A private copy of the run's policy for this Checkpointer (policies keep measurements)."""
+    import copy
+
+    return copy.deepcopy(policy)

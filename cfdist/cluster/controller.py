@@ -1,0 +1,321 @@
+"""The driver's controller: an explicit state machine with a ``step()`` tests can drive.
+
+Each :meth:`Controller.step` handles the current state once and returns the next one:
+
+* ``RecoveringState``: pick the group size (:class:`ScalingPolicy`), wait for nodes if too few,
+  ask the node actors and shared storage what they hold, choose the newest step every node can
+  obtain (:func:`choose_restore`), stage it (peer copy / shared download), start the group.
+* ``RunningState``: poll the group; turn rank 0's records and the actors' commits into events;
+  on errors classify the failure and ask the :class:`FailurePolicy`; on success finish; when
+  running smaller than wanted and capacity returned, restart larger at the next commit.
+
+Every decision is written to the event log with its inputs (``{"event": "decision", ...}``).
+The controller never touches tensors or files: the backend moves handles and bytes.
+Call from the driver, one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from cfdist.cluster.config import FitConfig
+from cfdist.cluster.decisions import Failure, FailurePolicy, ScalingPolicy, choose_restore
+from cfdist.cluster.events import EventLog
+from cfdist.cluster.result import FailureStats, FitError, FitResult
+from cfdist.cluster.states import (
+    ClusterBackend, ControllerState, FailedState, FinishedState, GroupStatus, RecoveringState, RunningState,
+)
+
+log = logging.getLogger("cfdist.controller")
+
+
+class Controller:
+    """Drives one ``fit`` run. ``run()`` loops ``step()`` until FINISHED or FAILED."""
+
+    def __init__(self, config: FitConfig, backend: ClusterBackend, events: EventLog, *,
+                 injector=None, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.config = config
+        self.backend = backend
+        self.events = events
+        self.injector = injector
+        self.clock = clock
+        self.sleep = sleep
+        self.failure_policy = FailurePolicy(max_failures=config.max_failures)
+        self.scaling = ScalingPolicy(num_nodes=config.num_nodes, min_nodes=config.min_nodes)
+        self.state: ControllerState = RecoveringState()
+        self.attempt = -1
+        self.failures: list[FailureStats] = []   # recovered failures, with their timings
+        self.num_failures = 0                      # failures tolerated so far
+        self.step_now = 0            # rank 0's newest finished step
+        self.executed = 0            # steps executed by finished attempts
+        self._attempt_base = 0       # step the current attempt started from
+        self._recovery: dict | None = None
+        self._dead_pids: list[int] = []
+        self._committed: set[tuple[int, str]] = set()
+        self._grow_to: int | None = None
+        self._grow_step = 0
+        self._last_capacity_check = 0.0
+        self._last_nodes: list[str] = []
+        self._world_sizes: list[int] = []
+        self._stall_s = 0.0
+        self._attempt_stall = 0.0
+        self._running_s = 0.0
+        self._running_since: float | None = None
+        self._final_url: str | None = None
+        self._t0 = clock()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> ControllerState:
+        """Handle the current state once; returns (and keeps) the next state."""
+        if self.injector is not None and not self.state.terminal:
+            self.injector.tick(self)
+        if isinstance(self.state, RecoveringState):
+            nxt = self._recover(self.state)
+        elif isinstance(self.state, RunningState):
+            nxt = self._run(self.state)
+        else:
+            return self.state
+        if type(nxt) is not type(self.state):
+            log.info("controller: %s -> %s", self.state.name, nxt.name)
+        self.state = nxt
+        return nxt
+
+    def run(self) -> FitResult:
+        """Step until a terminal state; return the result or raise :class:`FitError`."""
+        self.events.emit("start", world_size=self.config.world_size, nodes=self.config.num_nodes,
+                         run=self.config.run_name)
+        while not self.state.terminal:
+            self.step()
+        if isinstance(self.state, FailedState):
+            self.events.emit("end", step=self.step_now, error=str(self.state.error))
+            raise self.state.error
+        return self.result()
+
+    def decide(self, what: str, reason: str, **inputs) -> None:
+        """Log a decision with its inputs (event log + logger)."""
+        self.events.emit("decision", what=what, reason=reason, **inputs)
+        log.info("decision %s: %s", what, reason)
+
+    # ---- RECOVERING ---------------------------------------------------------------------------
+    def _recover(self, st: RecoveringState) -> ControllerState:
+        now = self.clock()
+        nodes = self.backend.usable_nodes()
+        size = self.scaling.size_for(len(nodes))
+        if size.num_nodes is None:
+            if st.since is None:
+                self.decide("wait_for_nodes", size.reason, usable=len(nodes))
+                st.since = now
+            if now - st.since > self.config.wait_for_nodes_s:
+                return FailedState(FitError(
+                    f"only {len(nodes)} usable node(s) for {now - st.since:.0f}s, need min_nodes="
+                    f"{self.config.min_nodes} (each with {self.config.workers_per_node} rank(s)); add "
+                    f"nodes, lower min_nodes, or raise wait_for_nodes_s={self.config.wait_for_nodes_s}"))
+            self.sleep(self.config.poll_s)
+            return st
+        if st.since is not None:
+            self.events.emit("nodes_ready", nodes=len(nodes))
+        chosen = self._pick_nodes(nodes, size.num_nodes)
+        self.decide("group_size", size.reason, nodes=[n.name for n in chosen])
+        holdings = self.backend.holdings()
+        choice = choose_restore(holdings, [n.node_id for n in chosen], peer_copy=self.config.peer_copy)
+        self.decide("restore", choice.reason, step=choice.step, tier=choice.tier,
+                    sources={n.name: choice.sources.get(n.node_id) for n in chosen})
+        t_stage = self.clock()
+        self.backend.stage(choice, chosen)
+        stage_s = self.clock() - t_stage
+        self.attempt += 1
+        try:
+            group = self.backend.start_group(chosen, choice, self.attempt, self._dead_pids)
+        except Exception as e:  # noqa: BLE001 - a group that cannot start is a failure like any other
+            failure = Failure(kind="error", step=self.step_now, message=f"starting the group failed: {e}",
+                              failed_at=self.clock(), detected_at=self.clock())
+            return self._tolerate(failure, None)
+        self._dead_pids = []
+        self._last_nodes = [n.node_id for n in chosen]
+        self._world_sizes.append(group.world_size)
+        self.events.emit("restarted", world_size=group.world_size, nodes=len(chosen), attempt=self.attempt)
+        self._attempt_base = choice.step or 0
+        self._committed = {k for k in self._committed if k[0] <= self._attempt_base}
+        self.step_now = self._attempt_base
+        self._attempt_stall = 0.0
+        self._running_since = self.clock()
+        if self._recovery is not None:
+            self._recovery.update(restarted_at=self.clock(), stage_s=stage_s, tier=choice.tier,
+                                  world_size=group.world_size)
+        elif choice.step is not None:
+            self._recovery = {"resume": True, "tier": choice.tier, "restarted_at": self.clock(),
+                              "detected_at": now, "failed_at": now}
+        return RunningState(group)
+
+    def _pick_nodes(self, nodes, n):
+        """Nodes of the previous group first (their memory tiers are warm), in their order."""
+        prev = {nid: i for i, nid in enumerate(self._last_nodes)}
+        return sorted(nodes, key=lambda x: (prev.get(x.node_id, len(prev)),))[:n]
+
+    # ---- RUNNING ------------------------------------------------------------------------------
+    def _run(self, st: RunningState) -> ControllerState:
+        status = st.group.poll(self.config.poll_s)
+        resize = self._absorb(st, status.records, self.backend.drain_commits())
+        if status.errors:
+            return self._on_failure(st, status)
+        if status.finished:
+            return self._finish(st, status)
+        if resize is not None:
+            return resize
+        self._check_capacity(st)
+        return st
+
+    def _absorb(self, st: RunningState, records: list[dict], commits: list[dict]) -> ControllerState | None:
+        """Log rank 0's records and the actors' commits in time order; a planned resize
+        (capacity returned) happens at the first commit after it was decided."""
+        resize = None
+        items = sorted([(r["t"], 0, r) for r in records] + [(c["t"], 1, c) for c in commits],
+                       key=lambda x: (x[0], x[1]))
+        for _, is_commit, r in items:
+            if is_commit:
+                resize = self._on_commit(st, r) or resize
+                continue
+            kind = r.get("type")
+            fields = {k: v for k, v in r.items() if k not in ("type", "t", "rank")}
+            if kind == "step":
+                if self._recovery is not None and "restarted_at" in self._recovery:
+                    # the loop never called ckpt.restore(): it resumed from its own state
+                    self._on_restored({"step": self._attempt_base, "restore_s": None, "t": r["t"]})
+                self.step_now = r["step"]
+                self._attempt_stall = r.get("stall_s", self._attempt_stall)
+                self.events.emit("step", t=r["t"], **fields)
+            elif kind == "metrics":
+                self.events.emit("metrics", t=r["t"], **fields)
+            elif kind == "restored":
+                self._on_restored(r)
+        return resize
+
+    def _on_restored(self, r: dict) -> None:
+        rec, self._recovery = self._recovery, None
+        if rec is None:
+            return
+        t = r.get("t", self.clock())
+        detect_s = rec["detected_at"] - rec["failed_at"]
+        restart_s = rec["restarted_at"] - rec["detected_at"]
+        restore_s = max(0.0, t - rec["restarted_at"])
+        tier = rec["tier"] if r.get("step") else "none"
+        self.events.emit("restored", t=t, step=r["step"], tier=tier, detect_s=round(detect_s, 6),
+                         restart_s=round(restart_s, 6), restore_s=round(restore_s, 6),
+                         load_s=r.get("restore_s"), stage_s=round(rec.get("stage_s", 0.0), 6))
+        if rec.get("failure") is not None:
+            f = rec["failure"]
+            self.failures.append(FailureStats(
+                kind=f.kind, step=f.step, restored_step=r["step"], tier=tier, detect_s=detect_s,
+                restart_s=restart_s, restore_s=restore_s, world_size=rec.get("world_size", 0)))
+
+    def _on_commit(self, st: RunningState, c: dict) -> ControllerState | None:
+        key = (c["step"], c["tier"])
+        if key in self._committed:
+            return None   # every node commits the same step: log the first
+        self._committed.add(key)
+        node = st.group.node_rank_of(c.get("node_id")) if hasattr(st.group, "node_rank_of") else None
+        self.events.emit("checkpoint_committed", t=c["t"], step=c["step"], tier=c["tier"], node=node,
+                         bytes=c.get("bytes"), persist_s=c.get("persist_s"))
+        if self._grow_to is None or c["step"] < self._grow_step:
+            return None
+        self.events.emit("resize", step=c["step"], world_size=st.group.world_size,
+                         nodes=len(st.group.nodes), to_nodes=self._grow_to)
+        self._end_attempt(st)
+        st.group.shutdown()
+        self._grow_to = None
+        self._recovery = {"resume": True, "failed_at": self.clock(), "detected_at": self.clock()}
+        return RecoveringState(resize=True)
+
+    def _check_capacity(self, st: RunningState) -> None:
+        if len(st.group.nodes) >= self.config.num_nodes or self._grow_to is not None:
+            return
+        now = self.clock()
+        if now - self._last_capacity_check < max(1.0, 5 * self.config.poll_s):
+            return
+        self._last_capacity_check = now
+        grow = self.scaling.should_grow(len(st.group.nodes), len(self.backend.usable_nodes()))
+        if grow.num_nodes is not None:
+            self._grow_to = grow.num_nodes
+            self._grow_step = self.step_now + 1
+            self.decide("grow_at_next_checkpoint", grow.reason, step=self.step_now)
+
+    def _end_attempt(self, st: RunningState) -> None:
+        self.executed += max(0, self.step_now - self._attempt_base)
+        self._stall_s += self._attempt_stall
+        if self._running_since is not None:
+            self._running_s += self.clock() - self._running_since
+            self._running_since = None
+
+    # ---- failures -----------------------------------------------------------------------------
+    def _on_failure(self, st: RunningState, status: GroupStatus) -> ControllerState:
+        detected = self.clock()
+        group = st.group
+        usable = {n.node_id for n in self.backend.usable_nodes()}
+        lost = [n for n in group.nodes if n.node_id not in usable]
+        died = [e for e in status.errors if e.actor_died]
+        first = (died or status.errors)[0]
+        kind = "preempt" if lost else ("crash" if died else "error")
+        claimed = self.injector.claim(kind=kind) if self.injector is not None else None
+        try:
+            step_at = max(self.step_now, group.current_step() or 0)
+        except Exception:  # noqa: BLE001 - survivors may be going down too
+            step_at = self.step_now
+        node = next((i for i, n in enumerate(group.nodes) if n.node_id in {x.node_id for x in lost}), None)
+        failure = Failure(kind=kind, step=step_at, rank=None if lost else first.rank, node=node,
+                          node_id=lost[0].node_id if lost else first.node_id,
+                          message=first.message[:500], failed_at=claimed["t"] if claimed else detected,
+                          detected_at=detected)
+        if claimed is None:
+            self.events.emit("failure", t=detected, kind="crash" if kind == "error" else kind, step=step_at,
+                             rank=failure.rank, node=node, cause=kind, message=failure.message[:200])
+        self.events.emit("detected", kind=kind, ranks_failed=len(status.errors))
+        self._dead_pids = group.pids()
+        self._end_attempt(st)
+        group.shutdown()
+        return self._tolerate(failure, st)
+
+    def _tolerate(self, failure: Failure, st) -> ControllerState:
+        decision = self.failure_policy.make_decision(self.num_failures, failure)
+        self.decide("failure", decision.reason, action=decision.action, kind=failure.kind,
+                    step=failure.step, message=failure.message[:200])
+        self.num_failures += 1
+        if decision.action == "raise":
+            return FailedState(FitError(
+                f"giving up: {decision.reason}. Last error: {failure.message or failure.kind}. Fix the "
+                f"error, or raise max_failures"))
+        prev = self._recovery
+        if prev is not None and prev.get("failure") is not None:
+            # A failure during recovery: the earlier one never resumed; record it as such.
+            self.failures.append(FailureStats(
+                kind=prev["failure"].kind, step=prev["failure"].step, restored_step=0, tier="none",
+                detect_s=prev["detected_at"] - prev["failed_at"],
+                restart_s=failure.detected_at - prev["detected_at"], restore_s=0.0, world_size=0))
+        self._recovery = {"failure": failure, "failed_at": failure.failed_at, "detected_at": failure.detected_at}
+        return RecoveringState(failure)
+
+    # ---- the end ------------------------------------------------------------------------------
+    def _finish(self, st: RunningState, status: GroupStatus) -> ControllerState:
+        self._end_attempt(st)
+        r0 = status.results.get(0, {})
+        final = r0.get("final_step", self.step_now)
+        self.step_now = final
+        try:
+            self._final_url = self.backend.finish()
+        finally:
+            st.group.shutdown()
+        self.events.emit("end", step=final, checkpoint=self._final_url)
+        return FinishedState(r0.get("value"))
+
+    def result(self) -> FitResult:
+        """The run's outcome (after FINISHED)."""
+        value = self.state.value if isinstance(self.state, FinishedState) else None
+        return FitResult(
+            final_step=self.step_now, steps=self.executed, failures=self.num_failures,
+            failure_stats=tuple(self.failures),
+            overhead=self._stall_s / self._running_s if self._running_s > 0 else 0.0,
+            checkpoint=self._final_url, value=value, wall_s=self.clock() - self._t0,
+            event_log=self.events.path, world_sizes=tuple(self._world_sizes),
+        )

@@ -1,0 +1,198 @@
+"""``FailureInjector``: executes a :mod:`cfdist.chaos` failure schedule against a running fit.
+
+The schedule is pure (``schedule.events(num_nodes, horizon_s)``); this is the thin shell that
+turns its events into real failures, on the controller's thread (``tick`` is called at the top
+of every ``Controller.step``). Time 0 is when the first worker group starts running.
+
+* ``crash`` (rank r): the rank's actor process is killed (``ray.kill``: the process exits at
+  once, like a segfault or an OOM kill). Skipped while no group runs.
+* ``preempt`` (node slot n, ``notice_s``): ``notice_s`` before the kill, the ranks of the
+  group's node n see ``ctx.preempted`` and every node's writer checkpoints at its next step;
+  at the kill the node goes: through ``remove_node(node_id)`` when given (a test removes the
+  fake node from its ``ray.cluster_utils.Cluster``), else its ranks and its node actor are
+  killed and the node is excluded from scheduling (its memory tier is gone, its disk stays).
+* ``return`` (node slot n): ``add_node(slot)`` when given (a fresh node joins), else the node
+  excluded for that slot becomes usable again.
+
+Injected failures are logged as ``failure`` records at the instant they are injected, so the
+controller's detection latency is measured (``detected`` - ``failure``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger("cfdist.injector")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AtStep:
+    """A failure injected once rank 0 reported step >= ``step`` (deterministic tests and demos).
+
+    Same kinds and fields as :class:`cfdist.chaos.FailureEvent`, triggered by progress, not time.
+    """
+
+    step: int
+    kind: str
+    rank: int | None = None
+    node: int | None = None
+    notice_s: float = 0.0
+
+    def __post_init__(self):
+        from cfdist.chaos.events import FailureEvent
+
+        FailureEvent(time_s=0.0, kind=self.kind, rank=self.rank, node=self.node, notice_s=self.notice_s)
+        if not isinstance(self.step, int) or self.step < 1:
+            raise ValueError(f"AtStep.step must be an int >= 1, got {self.step!r}")
+
+    @property
+    def time_s(self) -> float:   # for code that sorts events
+        return float(self.step)
+
+
+class StepSchedule:
+    """A list of :class:`AtStep` failures: ``StepSchedule([AtStep(step=20, kind="crash", rank=1)])``."""
+
+    def __init__(self, events: list[AtStep]):
+        self.at_steps = sorted(events, key=lambda e: e.step)
+
+    def events(self, num_nodes: int, horizon_s: float) -> list[AtStep]:
+        return list(self.at_steps)
+
+
+class FailureInjector:
+    """Drives one schedule. Driver process, controller thread only."""
+
+    def __init__(self, schedule, *, num_nodes: int, backend, horizon_s: float = 6 * 3600.0,
+                 remove_node: Callable[[str], None] | None = None,
+                 add_node: Callable[[int], None] | None = None,
+                 clock: Callable[[], float] = time.time):
+        if not hasattr(schedule, "events"):
+            raise TypeError(f"preemption= needs a schedule with events(num_nodes, horizon_s) (cfdist.chaos."
+                            f"FixedInterval, Exponential, TraceReplay, ...), got {schedule!r}")
+        if not math.isfinite(horizon_s):
+            raise ValueError("horizon_s must be finite: schedules with returns repeat forever")
+        self.by_step = hasattr(schedule, "at_steps")
+        self.events = list(schedule.events(num_nodes, horizon_s))
+        self.backend = backend
+        self.remove_node = remove_node
+        self.add_node = add_node
+        self.clock = clock
+        self.t0: float | None = None
+        self._next = 0
+        self._notices: set[int] = set()
+        self._excluded_by_slot: dict[int, str] = {}
+        self._unclaimed: list[dict] = []
+        self._notice_at = 0.0
+        self.executed: list[dict] = []
+
+    # ---- called by the controller ----------------------------------------------------------------
+    def tick(self, controller) -> None:
+        """Execute every event that is due (and every notice whose time came)."""
+        from cfdist.cluster.states import RunningState
+
+        running = isinstance(controller.state, RunningState)
+        if self.t0 is None:
+            if not running:
+                return
+            self.t0 = self.clock()
+        now = self.clock() - self.t0
+        if self.by_step:
+            return self._tick_steps(controller)
+        for i in range(self._next, len(self.events)):
+            e = self.events[i]
+            if e.kind == "preempt" and e.notice_s > 0 and i not in self._notices and now >= e.time_s - e.notice_s:
+                self._notices.add(i)
+                self._notice(controller, e)
+        while self._next < len(self.events) and self.events[self._next].time_s <= now:
+            e = self.events[self._next]
+            self._next += 1
+            try:
+                self._execute(controller, e)
+            except Exception as err:  # noqa: BLE001 - a failed injection is logged, the run goes on
+                log.warning("injecting %s failed: %s", e, err)
+                controller.events.emit("injection_failed", kind=e.kind, error=str(err)[:200])
+
+    def _tick_steps(self, controller) -> None:
+        from cfdist.cluster.states import RunningState
+
+        # Step-triggered: only while running, at most one per tick (the next waits for the
+        # group that replaces the failed one to report progress again).
+        if not isinstance(controller.state, RunningState) or self._next >= len(self.events):
+            return
+        e = self.events[self._next]
+        if e.kind == "preempt" and e.notice_s > 0 and self._next not in self._notices:
+            self._notices.add(self._next)
+            self._notice(controller, e)
+            self._notice_at = self.clock()
+            return
+        if controller.step_now >= e.step and (e.notice_s <= 0 or self.clock() - self._notice_at >= e.notice_s):
+            self._next += 1
+            self._execute(controller, e)
+
+    def claim(self, kind: str | None = None) -> dict | None:
+        """The oldest injected failure not yet matched with a detection (its ``t``), or None."""
+        return self._unclaimed.pop(0) if self._unclaimed else None
+
+    # ---- the three kinds ---------------------------------------------------------------------------
+    def _group(self, controller):
+        from cfdist.cluster.states import RunningState
+
+        return controller.state.group if isinstance(controller.state, RunningState) else None
+
+    def _notice(self, controller, e) -> None:
+        group = self._group(controller)
+        controller.events.emit("notice", node=e.node, notice_s=e.notice_s)
+        if group is not None and e.node < len(group.nodes):
+            group.notify([e.node], save=True)
+
+    def _execute(self, controller, e) -> None:
+        import ray
+
+        group = self._group(controller)
+        if e.kind == "crash":
+            if group is None or e.rank >= group.world_size:
+                controller.events.emit("injection_skipped", kind="crash", rank=e.rank, reason="no such rank running")
+                return
+            self._failed(controller, kind="crash", rank=e.rank, node=e.rank // max(1, group.world_size // len(group.nodes)))
+            group.crash(e.rank)
+        elif e.kind == "preempt":
+            nodes = group.nodes if group is not None else []
+            if e.node >= len(nodes):
+                controller.events.emit("injection_skipped", kind="preempt", node=e.node, reason="no such node in the group")
+                return
+            node = nodes[e.node]
+            self._failed(controller, kind="preempt", node=e.node, notice_s=e.notice_s)
+            if self.remove_node is not None:
+                self.remove_node(node.node_id)
+            else:
+                self.backend.excluded.add(node.node_id)
+                self._excluded_by_slot[e.node] = node.node_id
+                w = group.world_size // len(nodes)
+                for r in range(e.node * w, (e.node + 1) * w):
+                    ray.kill(group.actor_of(r), no_restart=True)
+                actor = self.backend.actors.get(node.node_id)
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
+        elif e.kind == "return":
+            controller.events.emit("node_returned", node=e.node)
+            if self.add_node is not None:
+                self.add_node(e.node)
+            elif e.node in self._excluded_by_slot:
+                self.backend.excluded.discard(self._excluded_by_slot.pop(e.node))
+        self.executed.append({"t": self.clock(), "kind": e.kind, "node": e.node, "rank": e.rank})
+
+    def _failed(self, controller, **fields) -> None:
+        group = self._group(controller)
+        step = controller.step_now
+        if group is not None:
+            try:
+                step = max(step, group.current_step() or 0)
+            except Exception:  # noqa: BLE001
+                pass
+        rec = controller.events.emit("failure", step=step, injected=True, **fields)
+        self._unclaimed.append(rec)

@@ -1,0 +1,72 @@
+"""Which Ray nodes can host a node's worth of ranks, and what each is called.
+
+A node is *usable* when it is alive, not excluded (taken away by the failure injector), and its
+total resources fit ``workers_per_node`` ranks (CPUs, GPUs). Its *name* fills ``{node}`` in
+the storage URL: the node label ``cfdist-node`` when set (fake nodes of a test cluster), else
+its hostname. Call from the driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cfdist.cluster.config import NODE_PLACEHOLDER, FitConfig
+
+NAME_LABEL = "cfdist-node"
+"""Ray node label that names a node for ``{node}`` (``ray start --labels='{"cfdist-node":"a"}'``)."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    name: str
+    ip: str
+    cpus: float
+    gpus: float
+
+
+def fits(config: FitConfig, cpus: float, gpus: float) -> bool:
+    """Whether a node with these total resources can host one node's ranks. Pure."""
+    need_cpu = config.workers_per_node * config.cpus_per_worker
+    need_gpu = config.workers_per_node if config.use_gpu else 0
+    return cpus >= need_cpu and gpus >= need_gpu and (need_cpu > 0 or cpus > 0 or need_gpu > 0)
+
+
+def usable_nodes(config: FitConfig, *, excluded: frozenset[str] = frozenset(), nodes=None) -> list[NodeInfo]:
+    """Alive, not excluded nodes that fit one node's ranks, in a stable order (by name, id).
+
+    ``nodes``: ``ray.nodes()`` output (default: asked now).
+    """
+    if nodes is None:
+        import ray
+
+        nodes = ray.nodes()
+    out = []
+    for n in nodes:
+        if not n.get("Alive") or n["NodeID"] in excluded:
+            continue
+        res = n.get("Resources", {})
+        cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
+        if not fits(config, cpus, gpus):
+            continue
+        name = (n.get("Labels") or {}).get(NAME_LABEL) or n.get("NodeManagerHostname") or n["NodeManagerAddress"]
+        out.append(NodeInfo(n["NodeID"], name, n["NodeManagerAddress"], cpus, gpus))
+    return sorted(out, key=lambda x: (x.name, x.node_id))
+
+
+def check_distinct_storage(config: FitConfig, nodes: list[NodeInfo]) -> None:
+    """Refuse two nodes on one machine that would share a node-local directory.
+
+    On a real cluster every node is its own machine and the same path is fine; fake nodes of a
+    one-machine test cluster need ``{node}`` in ``storage`` and distinct ``cfdist-node`` labels.
+    """
+    seen: dict[tuple[str, str], str] = {}
+    for n in nodes:
+        for url in config.local_urls(n.name):
+            key = (n.ip, url)
+            if key in seen and seen[key] != n.node_id:
+                raise ValueError(
+                    f"nodes {seen[key][:8]} and {n.node_id[:8]} on {n.ip} would both write {url}: put "
+                    f"{NODE_PLACEHOLDER!r} in storage= and give each Ray node a distinct "
+                    f"{NAME_LABEL!r} label (ray start --labels='{{\"{NAME_LABEL}\": \"a\"}}')")
+            seen[key] = n.node_id

@@ -1,0 +1,73 @@
+"""A progress bar on the driver, fed by the event log (rich).
+
+Shows step (of ``total_steps`` when known), the last reported loss, the newest committed
+checkpoint per tier, failures and the world size. It is an :class:`EventLog` listener: it never
+asks the cluster anything. Use as a context manager on the driver; ``enabled=False`` (or a
+non-terminal without ``force``) makes it silent.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class ProgressDisplay:
+    """``with ProgressDisplay(events, total_steps=...) as p: ...`` - driver thread."""
+
+    def __init__(self, events, *, total_steps: int | None = None, enabled: bool = True,
+                 console: Console | None = None):
+        self.enabled = enabled
+        self.total = total_steps
+        self._state = {"loss": None, "ckpt": {}, "failures": 0, "world": None, "status": "starting"}
+        self._progress = None
+        if enabled:
+            self._progress = Progress(
+                TextColumn("[bold]{task.fields[status]}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("ckpt {task.fields[ckpt]}"),
+                TextColumn("failures {task.fields[failures]}"), TextColumn("world {task.fields[world]}"),
+                TimeElapsedColumn(), console=console or Console(stderr=True), transient=False,
+                refresh_per_second=4)
+            self._task = self._progress.add_task("fit", total=total_steps, **self._fields())
+        events.subscribe(self.on_event)
+
+    def _fields(self) -> dict:
+        s = self._state
+        ck = " ".join(f"{t}:{n}" for t, n in sorted(s["ckpt"].items())) or "-"
+        loss = f"{s['loss']:.4f}" if isinstance(s["loss"], (int, float)) else "-"
+        return {"status": s["status"], "loss": loss, "ckpt": ck, "failures": s["failures"], "world": s["world"] or "-"}
+
+    def on_event(self, rec: dict) -> None:
+        s, ev = self._state, rec["event"]
+        completed = None
+        if ev in ("step", "metrics"):
+            if "loss" in rec:
+                s["loss"] = rec["loss"]
+            if ev == "step":
+                completed = rec["step"]
+                s["status"] = "running"
+        elif ev == "checkpoint_committed":
+            s["ckpt"][rec["tier"]] = rec["step"]
+        elif ev == "failure":
+            s["failures"] += 1
+            s["status"] = f"{rec.get('kind', 'failure')}!"
+        elif ev == "restarted":
+            s["world"] = rec.get("world_size")
+            s["status"] = "restored" if s["failures"] else "running"
+        elif ev == "restored":
+            completed = rec["step"]
+        elif ev == "end":
+            completed = rec["step"]
+            s["status"] = "done" if "error" not in rec else "failed"
+        if self._progress is not None:
+            kw = {"completed": completed} if completed is not None else {}
+            self._progress.update(self._task, **kw, **self._fields())
+
+    def __enter__(self):
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,77 @@
+"""Move one committed checkpoint between tiers or nodes as frozen bytes.
+
+A checkpoint is *frozen* by reading its files into memory (:func:`freeze`), which takes
+milliseconds from /dev/shm; it can then be shipped to another node's actor through Ray and
+committed there with the engine's own protocol (:func:`cfdist.checkpoint.discovery.copy_checkpoint`:
+shards first, manifest last, atomic publish), while the source tier is free to move on.
+Checksums are not re-computed here: the restore verifies every tensor.
+
+Call from a node actor (any thread); nothing here talks to Ray.
+"""
+
+from __future__ import annotations
+
+from cfdist.checkpoint import retention
+from cfdist.checkpoint.discovery import committed_steps, copy_checkpoint, read_manifest
+from cfdist.checkpoint.format import MANIFEST, step_dir
+from cfdist.storage import Storage
+
+Frozen = list[dict[str, bytes]]
+"""One ``{relative path: bytes}`` per root of the source storage list (picklable)."""
+
+
+class FrozenRoot:
+    """A read-only, in-memory stand-in for one :class:`Storage` root (what ``copy_checkpoint``
+    and ``read_manifest`` read from)."""
+
+    def __init__(self, files: dict[str, bytes], url: str):
+        self.files = files
+        self.url = url
+
+    def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        try:
+            data = self.files[rel.strip("/")]
+        except KeyError:
+            raise FileNotFoundError(f"{self.url}/{rel} is not part of the frozen checkpoint") from None
+        return data[start or 0:end] if (start or end is not None) else data
+
+    def exists(self, rel: str) -> bool:
+        return rel.strip("/") in self.files
+
+    def url_of(self, rel: str = "") -> str:
+        return f"{self.url}/{rel.strip('/')}" if rel else self.url
+
+
+def freeze(storages: list[Storage], step: int) -> Frozen:
+    """Read the manifest and shards of committed ``step`` into memory (blocking).
+
+    Raises ``CheckpointError``/``FileNotFoundError`` if the step is not (or no longer) committed.
+    """
+    m = read_manifest(storages, step)
+    d = step_dir(step)
+    out: Frozen = [{} for _ in storages]
+    out[0][f"{d}/{MANIFEST}"] = storages[0].read_bytes(f"{d}/{MANIFEST}")
+    for sh in m["shards"]:
+        rel = f"{d}/{sh['file']}"
+        out[sh["root"]][rel] = storages[sh["root"]].read_bytes(rel)
+    return out
+
+
+def nbytes(frozen: Frozen) -> int:
+    return sum(len(b) for root in frozen for b in root.values())
+
+
+def commit_frozen(frozen: Frozen, step: int, dst: list[Storage], *, source: str, keep: int) -> bool:
+    """Commit a frozen checkpoint into ``dst`` (blocking); then apply retention there.
+
+    Returns False (and writes nothing) when ``dst`` already holds ``step`` committed. A
+    leftover uncommitted directory of the same step is removed first.
+    """
+    if step in committed_steps(dst[0]):
+        return False
+    for st in dst:
+        if st.exists(step_dir(step)):
+            st.remove(step_dir(step))
+    copy_checkpoint([FrozenRoot(f, f"{source}#root{i}") for i, f in enumerate(frozen)], step, dst)
+    retention.apply(dst, keep=keep, keep_epoch_ends=False, newest=step, newest_epoch_end=False)
+    return True

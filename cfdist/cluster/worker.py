@@ -1,0 +1,101 @@
+"""``RankWorker``: the body of one rank's Ray actor (one process per rank).
+
+The driver creates it pinned to a node, then calls, in order: :meth:`endpoint` (rank 0 hosts
+the rendezvous store), :meth:`join` on every rank at once (``torch.distributed`` init: gloo on
+CPU, NCCL on GPU), :meth:`run` (blocks for the whole training function). While ``run`` blocks,
+the actor serves :meth:`drain`, :meth:`notify` and :meth:`current_step` on other threads
+(``max_concurrency`` > 1), so the driver can follow progress and deliver notices.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cfdist.cluster.context import RankInfo, TrainContext
+
+
+class RankWorker:
+    """One rank. Plain class; the driver wraps it with ``ray.remote``."""
+
+    def __init__(self, info: RankInfo, *, use_gpu: bool, timeout_s: float, cpus: float):
+        self.info = info
+        self.use_gpu = use_gpu
+        self.timeout = timedelta(seconds=timeout_s)
+        if cpus >= 1:
+            torch.set_num_threads(max(1, int(cpus)))
+        self.ctx: TrainContext | None = None
+        self._store = None
+
+    def endpoint(self) -> dict:
+        """This process's node id, IP and pid; on rank 0 also a fresh rendezvous store's port."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        out = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "pid": os.getpid(),
+               "host": socket.gethostname()}
+        if self.info.rank == 0:
+            # Port 0: the OS picks a free port, no probe-then-bind race.
+            self._store = dist.TCPStore(ip, 0, self.info.world_size, is_master=True,
+                                        timeout=self.timeout, wait_for_workers=False)
+            out["port"] = self._store.port
+        return out
+
+    def join(self, host: str, port: int) -> float:
+        """Initialise the default process group (blocks until every rank joined); returns seconds."""
+        t0 = time.perf_counter()
+        if self._store is None:
+            self._store = dist.TCPStore(host, port, self.info.world_size, is_master=False, timeout=self.timeout)
+        backend = "nccl" if self.use_gpu else "gloo"
+        if self.use_gpu:
+            torch.cuda.set_device(0)   # Ray exposes exactly this rank's GPU
+        dist.init_process_group(backend, store=self._store, rank=self.info.rank,
+                                world_size=self.info.world_size, timeout=self.timeout)
+        return time.perf_counter() - t0
+
+    def run(self, train_fn, *, tiers: dict, node_actor, policy, keep: int,
+            restore_step: int | None, restore_tier: str) -> dict:
+        """Run ``train_fn(ctx)`` to the end (blocking); then commit the final checkpoint.
+
+        Returns ``{"value": train_fn's return (rank 0), "final_step", "latest_step", "stall_s",
+        "seconds"}``. Exceptions propagate to the driver (a failure of this attempt).
+        """
+        device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
+        self.ctx = TrainContext(info=self.info, device=device, tiers=tiers, node_actor=node_actor,
+                                policy=policy, keep=keep, restore_step=restore_step,
+                                restore_tier=restore_tier)
+        t0 = time.perf_counter()
+        value = train_fn(self.ctx)
+        out = self.ctx._finish()
+        out["seconds"] = time.perf_counter() - t0
+        out["value"] = value if self.info.rank == 0 else None
+        if dist.is_initialized():
+            dist.barrier()   # no rank tears the group down while another still commits
+            dist.destroy_process_group()
+        return out
+
+    def drain(self) -> list[dict]:
+        """Step, metrics and restore records since the last call (empty before ``run``)."""
+        return self.ctx._drain() if self.ctx is not None else []
+
+    def notify(self, preempted: bool = True, save: bool = True) -> None:
+        """Deliver a preemption notice (see ``TrainContext.preempted``) and/or a save request."""
+        if self.ctx is not None:
+            self.ctx._notify(preempted=preempted, save=save)
+
+    def current_step(self) -> int:
+        """Steps this rank finished in this attempt's numbering (0 before training)."""
+        return self.ctx._step if self.ctx is not None else 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def crash(self) -> None:
+        """Die now, as a crashing process does (SIGKILL: no cleanup, no exception)."""
+        os.kill(os.getpid(), signal.SIGKILL)

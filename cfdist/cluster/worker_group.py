@@ -1,0 +1,171 @@
+"""``RayWorkerGroup``: one attempt's ranks as Ray actors, placed node by node.
+
+Ranks are laid out node-major: node ``i`` of the group hosts ranks ``i*w .. i*w+w-1`` with
+local ranks ``0..w-1``; local rank 0 is the node's writer. Each actor is pinned to its node
+(node-affinity, not soft). Rendezvous: rank 0 opens a ``TCPStore`` on its node's IP (the
+loopback/host IP in local runs) on a port the OS picks, every rank joins it, and
+``torch.distributed`` is initialised (gloo on CPU, NCCL on GPU).
+
+Call from the driver, one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cfdist.cluster.config import FitConfig
+from cfdist.cluster.context import RankInfo
+from cfdist.cluster.decisions import RestoreChoice
+from cfdist.cluster.nodes import NodeInfo
+from cfdist.cluster.states import GroupStatus, RankError
+from cfdist.cluster.worker import RankWorker
+
+log = logging.getLogger("cfdist.group")
+
+_RemoteWorker = ray.remote(RankWorker)
+_SETTLE_S = 1.0
+"""After a first error, how long to wait for the other ranks' outcomes (to classify the failure:
+a surviving rank's collective error usually follows its peer's death within milliseconds)."""
+
+
+class RayWorkerGroup:
+    """The ranks of one attempt. ``start()`` blocks until every rank runs the training function."""
+
+    def __init__(self, *, config: FitConfig, nodes: list[NodeInfo], node_actors: list, tiers: list[dict],
+                 attempt: int, train_fn, policy, choice: RestoreChoice):
+        self.config = config
+        self.nodes = nodes
+        self.world_size = len(nodes) * config.workers_per_node
+        self._node_actors = node_actors
+        self._tiers = tiers
+        self.attempt = attempt
+        self._train_fn = train_fn
+        self._policy = policy
+        self._choice = choice
+        self.workers: list = []
+        self._endpoints: list[dict] = []
+        self._refs: dict[int, ray.ObjectRef] = {}
+        self._results: dict[int, dict] = {}
+        self._errors: list[RankError] = []
+
+    # ---- start --------------------------------------------------------------------------------
+    def start(self) -> float:
+        """Create the actors, rendezvous, launch ``run``; returns the seconds it took."""
+        t0 = time.perf_counter()
+        w = self.config.workers_per_node
+        for i, node in enumerate(self.nodes):
+            for j in range(w):
+                info = RankInfo(rank=i * w + j, world_size=self.world_size, local_rank=j, local_world_size=w,
+                                node_rank=i, num_nodes=len(self.nodes), attempt=self.attempt)
+                self.workers.append(_RemoteWorker.options(
+                    num_cpus=self.config.cpus_per_worker,
+                    num_gpus=1 if self.config.use_gpu else 0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+                    max_concurrency=4, max_restarts=0, name=None,
+                ).remote(info, use_gpu=self.config.use_gpu, timeout_s=self.config.rendezvous_timeout_s,
+                         cpus=self.config.cpus_per_worker))
+        timeout = self.config.rendezvous_timeout_s
+        self._endpoints = ray.get([wk.endpoint.remote() for wk in self.workers], timeout=timeout)
+        host, port = self._endpoints[0]["ip"], self._endpoints[0]["port"]
+        ray.get([wk.join.remote(host, port) for wk in self.workers], timeout=timeout)
+        fn_ref = ray.put(self._train_fn)
+        for rank, wk in enumerate(self.workers):
+            node_rank = rank // w
+            self._refs[rank] = wk.run.remote(
+                fn_ref, tiers=self._tiers[node_rank], node_actor=self._node_actors[node_rank],
+                policy=self._policy, keep=self.config.keep, restore_step=self._choice.step,
+                restore_tier=self._choice.sources.get(self.nodes[node_rank].node_id, ("none", None))[0])
+        return time.perf_counter() - t0
+
+    # ---- while running ------------------------------------------------------------------------
+    def poll(self, timeout_s: float) -> GroupStatus:
+        """Wait up to ``timeout_s`` for ranks to finish or fail; drain rank 0's records."""
+        pending = [r for r in self._refs if r not in self._results and not any(e.rank == r for e in self._errors)]
+        refs = [self._refs[r] for r in pending]
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            self._collect(ready)
+            if self._errors:
+                left = [self._refs[r] for r in pending if r not in self._results
+                        and not any(e.rank == r for e in self._errors)]
+                if left:
+                    ready, _ = ray.wait(left, num_returns=len(left), timeout=_SETTLE_S)
+                    self._collect(ready)
+        records = self._drain(0)
+        return GroupStatus(finished=len(self._results) == len(self.workers), errors=list(self._errors),
+                           results=dict(self._results), records=records)
+
+    def _collect(self, ready) -> None:
+        by_ref = {ref: r for r, ref in self._refs.items()}
+        for ref in ready:
+            rank = by_ref[ref]
+            try:
+                self._results[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self._errors.append(RankError(rank, self._node_of(rank), True, _short(e)))
+            except ray.exceptions.RayTaskError as e:
+                self._errors.append(RankError(rank, self._node_of(rank), False, _short(e)))
+
+    def _node_of(self, rank: int) -> str:
+        return self.nodes[rank // self.config.workers_per_node].node_id
+
+    def _drain(self, rank: int) -> list[dict]:
+        try:
+            return ray.get(self.workers[rank].drain.remote(), timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):
+            return []
+
+    def current_step(self) -> int | None:
+        """Newest step any live rank finished (asks every rank, 2 s at most)."""
+        refs = [wk.current_step.remote() for wk in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
+        steps = []
+        for ref in ready:
+            try:
+                steps.append(ray.get(ref))
+            except ray.exceptions.RayError:
+                pass
+        return max(steps) if steps else None
+
+    def notify(self, preempted_nodes: list[int], *, save: bool = True) -> None:
+        """Preemption notice: ranks of ``preempted_nodes`` see ``ctx.preempted``; with ``save``,
+        every node's writer checkpoints at its next step (the survivors' copies cover the lost node)."""
+        w = self.config.workers_per_node
+        for rank, wk in enumerate(self.workers):
+            hit = rank // w in preempted_nodes
+            if hit or (save and rank % w == 0):
+                wk.notify.remote(preempted=hit, save=save and rank % w == 0)
+
+    def node_rank_of(self, node_id: str | None) -> int | None:
+        for i, n in enumerate(self.nodes):
+            if n.node_id == node_id:
+                return i
+        return None
+
+    def pids(self) -> list[int]:
+        return [e["pid"] for e in self._endpoints]
+
+    def actor_of(self, rank: int):
+        return self.workers[rank]
+
+    def crash(self, rank: int) -> None:
+        """SIGKILL the rank's process (from inside it: works on any node). Non-blocking."""
+        self.workers[rank].crash.remote()
+
+    def shutdown(self) -> None:
+        """Kill every rank's process (no restart). Safe to call twice."""
+        for wk in self.workers:
+            try:
+                ray.kill(wk, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    tail = [ln for ln in text if ln.strip()][-3:]
+    return f"{type(e).__name__}: " + " | ".join(tail)
