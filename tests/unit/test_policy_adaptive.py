@@ -1,9 +1,7 @@
 """The tuner and ``Auto`` against scripted measurements: pure, no clocks, no storage.
 
-``simulate`` plays a training loop in virtual time: each step takes ``Ti``; a checkpoint first
-waits for the previous persist (one in flight), then snapshots; the step after a checkpoint stalls
-``To`` at the gate; a persist takes ``Tsnap + Ts(step)`` and is reported by the first step that
-ends after it. What the policy sees is exactly what the checkpointer reports.
+``cfdist.policy.sim.simulate`` plays a training loop in virtual time and reports to the policy
+what the checkpointer would (see its docstring).
 """
 
 from __future__ import annotations
@@ -16,51 +14,8 @@ from cfdist.policy import profiler
 from cfdist.policy.auto import Auto, AutoConfig
 from cfdist.policy.base import PolicyContext, StepMeasurement, profile_key
 from cfdist.policy.freq import Profile
+from cfdist.policy.sim import simulate
 from cfdist.policy.tuner import Tuner, TunerConfig
-
-
-def simulate(policies, steps, *, Ti=0.1, Tw=0.01, Tsnap=0.02, To=0.02, Ts=lambda s: 0.5,
-             device="cpu", carry=False, writer=0, start=1):
-    """Run ``policies`` (one per rank) for ``steps`` steps; returns per-rank checkpointed steps
-    and the virtual time spent. ``carry``: hand rank 0's payload to every rank before each step,
-    as the DDP hook does during the backward."""
-    carried = [None]
-    for p in policies:
-        if carry:
-            p.sync_attached(lambda: carried[0])
-    t, persist_end, inflight, snap_stall = 0.0, float("-inf"), None, 0.0
-    took_by_rank = [[] for _ in policies]
-    base_time = 0.0
-    for s in range(start, start + steps):
-        if carry:  # the backward of step s carries rank 0's current proposal
-            carried[0] = policies[0].sync_payload()
-        it, stall = Ti + snap_stall, snap_stall
-        snap_stall = 0.0
-        decisions = [p.should_checkpoint(s) for p in policies]
-        assert len(set(decisions)) == 1, f"ranks disagree at step {s}: {decisions}"
-        took = decisions[0]
-        done = None
-        if took:
-            wait = max(0.0, persist_end - (t + it))
-            it, stall = it + wait, stall + wait
-            if inflight is not None:  # waited for it: harvested in this very step
-                done, inflight = inflight[1], None
-            persist_end = t + it + Tsnap + Ts(s)
-            inflight = (persist_end, Tsnap + Ts(s))
-            snap_stall = To
-        t += it
-        base_time += Ti
-        if inflight is not None and inflight[0] <= t and done is None:
-            done, inflight = inflight[1], None
-        for r, p in enumerate(policies):
-            me = r == writer
-            p.observe(StepMeasurement(
-                step=s, iter_s=it, stall_s=stall, update_s=Tw, checkpointed=took,
-                snapshot_s=(Tsnap if took and me else None), snapshot_device=(p.mode if took and me else None),
-                persist_s=done if me else None, persist_bytes=1000 if (done and me) else None))
-            if took:
-                took_by_rank[r].append(s)
-    return took_by_rank, t, base_time
 
 
 def overhead(policy_factory, steps, **kw):
