@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from cfdist.checkpoint.format import (
-    MANIFEST, ST_TO_TORCH, TMP_MARK, CheckpointError, parse_safetensors_header, parse_step_dir,
-    shard_name, step_dir, validate_manifest,
+    MANIFEST, ST_TO_TORCH, TMP_MARK, CheckpointError, check_seal, parse_safetensors_header, parse_step_dir,
+    seal_manifest, step_dir, validate_manifest,
 )
 from cfdist.checkpoint.flatten import unflatten
 from cfdist.storage import Storage, open_storages
@@ -67,6 +66,7 @@ def read_manifest(storages: list[Storage], step: int) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where} is not valid JSON ({e})") from None
     m = validate_manifest(m, where=where)
+    check_seal(m, where=where)
     if int(m["step"]) != step:
         raise CheckpointError(f"{where} says step {m['step']}, expected {step}")
     if max(s["root"] for s in m["shards"]) >= len(storages):
@@ -179,7 +179,7 @@ def copy_checkpoint(src: list[Storage], step: int, dst: list[Storage]) -> None:
             dst[r].fsync_dir(staging[r])
             dst[r].publish(staging[r], final)
     m["roots"] = len(dst)
-    dst[0].write_file(f"{staging[0]}/{MANIFEST}", [json.dumps(m).encode()])
+    dst[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(m)])
     dst[0].fsync_dir(staging[0])
     dst[0].publish(staging[0], final)
 

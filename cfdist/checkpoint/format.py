@@ -106,6 +106,33 @@ def parse_safetensors_header(head: bytes, *, where: str) -> tuple[int, dict]:
     return 8 + n, hdr
 
 
+SEAL = "manifest_xxh3"
+
+
+def _canonical(m: dict) -> bytes:
+    return json.dumps({k: v for k, v in m.items() if k != SEAL}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal_manifest(m: dict) -> bytes:
+    """The manifest's bytes with a checksum of its own content, so a flipped bit in a small
+    value (lr, iterator position, RNG) is caught like a flipped bit in a tensor."""
+    import xxhash
+
+    m = dict(m)
+    m[SEAL] = xxhash.xxh3_64_hexdigest(_canonical(m))
+    return json.dumps(m).encode()
+
+
+def check_seal(m: dict, *, where: str) -> None:
+    import xxhash
+
+    if SEAL not in m:
+        raise CheckpointError(f"{where}: manifest has no {SEAL!r}; it was not written by cfdist or was edited")
+    got = xxhash.xxh3_64_hexdigest(_canonical(m))
+    if got != m[SEAL]:
+        raise CheckpointError(f"{where}: manifest failed its checksum ({got} != {m[SEAL]})")
+
+
 def validate_manifest(m: object, *, where: str) -> dict:
     """Structural checks on a parsed manifest; every path it names must stay inside the step dir."""
     if not isinstance(m, dict):

@@ -40,7 +40,9 @@ import torch
 import xxhash
 
 from cfdist.checkpoint import retention
-from cfdist.checkpoint.format import FORMAT, MANIFEST, TensorEntry, safetensors_header, shard_name, step_dir
+from cfdist.checkpoint.format import (
+    FORMAT, MANIFEST, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
+)
 from cfdist.checkpoint.snapshot import attach_arena
 from cfdist.storage import Storage, open_storages
 
@@ -153,7 +155,7 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
                 for s in job.shards],
         tensors={e.name: e.to_json(sums[e.name]) for s in job.shards for e in s.entries},
     )
-    storages[0].write_file(f"{staging[0]}/{MANIFEST}", [json.dumps(manifest).encode()])
+    storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])
     storages[0].fsync_dir(staging[0])
     storages[0].publish(staging[0], final)  # == COMMIT
     seconds = time.perf_counter() - t0

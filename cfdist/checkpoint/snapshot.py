@@ -20,7 +20,6 @@ overlapped with the next forward/backward. :meth:`Snapshotter.wait_copied` is th
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor

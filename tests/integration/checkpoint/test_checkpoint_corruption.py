@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cfdist
-from cfdist.checkpoint.format import MANIFEST, CheckpointError, step_dir
+from cfdist.checkpoint.format import MANIFEST, CheckpointError, seal_manifest, step_dir
 
 SHARD = "shard-00000-of-00001.safetensors"
 
@@ -215,9 +215,27 @@ def test_a_manifest_that_parses_but_does_not_add_up_falls_back(ckpts, mlp_state,
     man = root / step_dir(4) / MANIFEST
     m = json.loads(man.read_text())
     tamper(m)
-    man.write_text(json.dumps(m))
+    man.write_bytes(seal_manifest(m))   # re-sealed: the checks behind the manifest checksum
     with pytest.raises(CheckpointError, match=why):
         cfdist.load(url, step=4)
     step, warned, model, _ = restore_fresh(url, mlp_state)
     assert step == 2 and len(warned) == 1 and why in warned[0], warned
+    assert_model_is_step(model, url, 2)
+
+
+def test_a_flipped_small_value_in_the_manifest_fails_its_checksum(ckpts, mlp_state):
+    """A bit flip in a plain value (the scheduler's lr) is caught like one in a tensor.
+
+    Real: committed checkpoints, restore. Faked: step 4's manifest edited without re-sealing.
+    The point: load refuses step 4 naming the manifest checksum; restore falls back to step 2.
+    """
+    url, root = ckpts
+    man = root / step_dir(4) / MANIFEST
+    m = json.loads(man.read_text())
+    m["epoch_end"] = not m.get("epoch_end")
+    man.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="manifest failed its checksum"):
+        cfdist.load(url, step=4)
+    step, warned, model, _ = restore_fresh(url, mlp_state)
+    assert step == 2 and len(warned) == 1 and "manifest failed its checksum" in warned[0], warned
     assert_model_is_step(model, url, 2)
