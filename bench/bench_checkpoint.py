@@ -46,6 +46,7 @@ def _model(hidden: int, layers: int) -> torch.nn.Module:
 
 def _worker(rank: int, ws: int, mode: str, args, port: int, outdir: str, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # both ranks are on this machine
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ws)
     torch.manual_seed(0)

@@ -29,7 +29,13 @@ import urllib.error
 import urllib.request
 import uuid
 
+import os
+
 import pytest
+
+# Every gloo process the tests start (spawned children, Ray workers inherit it) talks over the
+# loopback interface only, whatever the machine's hostname resolves to.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 _DUMMY_KEY = "testing"
 # Variables through which botocore could pick up real credentials, profiles or endpoints.
