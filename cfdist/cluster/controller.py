@@ -124,7 +124,16 @@ class Controller:
         self.decide("restore", choice.reason, step=choice.step, tier=choice.tier,
                     sources={n.name: choice.sources.get(n.node_id) for n in chosen})
         t_stage = self.clock()
-        self.backend.stage(choice, chosen)
+        try:
+            self.backend.stage(choice, chosen)
+        except Exception as e:  # noqa: BLE001 - e.g. a chosen node is gone: choose again
+            st.stage_failures += 1
+            self.decide("stage_failed", f"staging step {choice.step} failed ({type(e).__name__}: {e}); "
+                                        f"choosing nodes and checkpoint again", tries=st.stage_failures)
+            if st.stage_failures > 3:
+                return FailedState(FitError(f"could not stage step {choice.step} on {[n.name for n in chosen]} "
+                                            f"after {st.stage_failures} tries: {e}"))
+            return st
         stage_s = self.clock() - t_stage
         self.attempt += 1
         try:
@@ -253,8 +262,8 @@ class Controller:
     def _on_failure(self, st: RunningState, status: GroupStatus) -> ControllerState:
         detected = self.clock()
         group = st.group
-        usable = {n.node_id for n in self.backend.usable_nodes()}
-        lost = [n for n in group.nodes if n.node_id not in usable]
+        lost_ids = self.backend.lost_nodes(group.nodes)
+        lost = [n for n in group.nodes if n.node_id in lost_ids]
         died = [e for e in status.errors if e.actor_died]
         first = (died or status.errors)[0]
         kind = "preempt" if lost else ("crash" if died else "error")

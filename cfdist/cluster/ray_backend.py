@@ -27,6 +27,10 @@ from cfdist.cluster.worker_group import RayWorkerGroup
 log = logging.getLogger("cfdist.backend")
 
 _RemoteNode = ray.remote(NodeCheckpointer)
+
+
+class NodeLost(RuntimeError):
+    """A node chosen for the group turned out to be gone; recovery picks nodes again."""
 _CALL_S = 60.0
 
 
@@ -40,6 +44,8 @@ class RayBackend:
         self.policy = policy
         self.excluded: set[str] = set()
         """Node ids the failure injector took away (not usable until it returns them)."""
+        self.dead: set[str] = set()
+        """Node ids whose node actor died: the node is gone even if Ray does not know yet."""
         self.actors: dict[str, object] = {}
         self.tiers: dict[str, dict] = {}
         self.group: RayWorkerGroup | None = None
@@ -47,7 +53,7 @@ class RayBackend:
 
     # ---- nodes and actors ------------------------------------------------------------------------
     def usable_nodes(self) -> list[NodeInfo]:
-        nodes = nodes_mod.usable_nodes(self.config, excluded=frozenset(self.excluded))
+        nodes = nodes_mod.usable_nodes(self.config, excluded=frozenset(self.excluded | self.dead))
         if self.config.local_tier:
             nodes_mod.check_distinct_storage(self.config, nodes)
         return nodes
@@ -60,11 +66,33 @@ class RayBackend:
                     num_cpus=0, max_concurrency=8, max_restarts=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
                 ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name)
-        if new:
-            infos = ray.get([a.ready.remote() for a in new.values()], timeout=_CALL_S)
-            for (nid, actor), info in zip(new.items(), infos):
+        lost = []
+        for nid, actor in new.items():
+            try:
+                self.tiers[nid] = ray.get(actor.ready.remote(), timeout=_CALL_S)
                 self.actors[nid] = actor
-                self.tiers[nid] = info
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                self.dead.add(nid)
+                lost.append(f"{nid[:8]}: {type(e).__name__}")
+        if lost:
+            raise NodeLost(f"node actor(s) could not start on {', '.join(lost)}; those nodes are excluded")
+
+    def lost_nodes(self, nodes: list[NodeInfo], timeout_s: float = 10.0) -> set[str]:
+        """Which of ``nodes`` are gone: Ray says dead, or their node actor does not answer
+        (a node killed without notice looks alive to Ray until its heartbeats time out)."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        lost = {n.node_id for n in nodes if n.node_id not in alive or n.node_id in self.excluded}
+        refs = {n.node_id: self.actors[n.node_id].ready.remote() for n in nodes
+                if n.node_id not in lost and n.node_id in self.actors}
+        for nid, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                lost.add(nid)
+        for nid in lost - self.excluded:
+            self.dead.add(nid)
+            self._forget(nid)
+        return lost
 
     def _forget(self, node_id: str) -> None:
         self.actors.pop(node_id, None)
@@ -78,6 +106,7 @@ class RayBackend:
             try:
                 out[nid] = ray.get(ref, timeout=timeout)
             except ray.exceptions.RayActorError:
+                self.dead.add(nid)
                 self._forget(nid)
             except ray.exceptions.GetTimeoutError:
                 log.warning("node actor %s did not answer %s within %.0fs; ignoring it", nid[:8], method, timeout)

@@ -38,6 +38,7 @@ class RecoveringState(ControllerState):
         self.resize = resize
         self.since = since
         """When recovery started waiting for nodes (None: not waiting yet)."""
+        self.stage_failures = 0
 
 
 class RunningState(ControllerState):
@@ -107,6 +108,9 @@ class ClusterBackend(Protocol):
     """What the controller needs from the cluster (Ray in production, fakes in tests)."""
 
     def usable_nodes(self) -> list[NodeInfo]: ...
+
+    def lost_nodes(self, nodes: list[NodeInfo]) -> set[str]:
+        """Ids of ``nodes`` that are gone (asked after a failure)."""
 
     def holdings(self) -> list[Holding]:
         """Committed steps of every live node actor (after in-flight persists) and of shared storage."""

@@ -1,0 +1,103 @@
+"""Training functions and checks shared by the ``cfdist.fit`` integration tests.
+
+The loop is deterministic on CPU (fixed seeds, gloo, SGD with momentum, no dropout), so an
+interrupted run must end with the uninterrupted run's parameters bit for bit. Every rank
+appends what it consumed to ``<out>/a<attempt>-r<rank>.jsonl`` (step, epoch, sample ids), which
+:func:`check_exactly_once` replays to prove each sample was used once per epoch.
+
+Shipped to the Ray workers by value (``ray.cloudpickle.register_pickle_by_value``), so workers
+need not import the tests package.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import time
+from collections import Counter
+
+import torch
+
+N_SAMPLES = 48
+BATCH = 3
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Sample i is (x_i, y_i, i): a fixed random regression set that reports its indices."""
+
+    def __init__(self, n: int = N_SAMPLES):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x @ torch.randn(8, 2, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i], i
+
+
+def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: float = 0.05):
+    """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state."""
+    import cfdist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = cfdist.ResumableLoader(Indexed(), BATCH, seed=3)
+    ckpt = ctx.checkpointer({"model": model, "optim": opt, "data": loader}, policy=cfdist.Every(every))
+    ckpt.restore()
+    log = open(os.path.join(out_dir, f"a{ctx.attempt}-r{ctx.rank}.jsonl"), "a")
+    log.write(json.dumps({"restored": ckpt.step_count, "world_size": ctx.world_size}) + "\n")
+    while ckpt.step_count < steps:
+        for x, y, idx in loader:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ckpt.step(opt)
+            opt.zero_grad()
+            log.write(json.dumps({"step": ckpt.step_count, "epoch": loader.epoch, "ids": idx.tolist(),
+                                  "pad": loader.last_batch_is_padding}) + "\n")
+            log.flush()
+            ctx.report(step_rank=ctx.rank)
+            time.sleep(step_sleep_s)
+            if ckpt.step_count >= steps:
+                break
+    log.close()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def check_exactly_once(out_dir: str, final_step: int) -> dict[int, int]:
+    """Replay the per-attempt logs: the step ``s`` that counts is the one of the last attempt
+    that executed it. Asserts each epoch's samples are all used exactly once (the last epoch
+    may be partial: no sample twice). Returns ``{epoch: samples used}``."""
+    attempts: dict[int, dict] = {}
+    for path in glob.glob(os.path.join(out_dir, "a*-r*.jsonl")):
+        a, r = map(int, re.match(r"a(\d+)-r(\d+)\.jsonl", os.path.basename(path)).groups())
+        recs = [json.loads(line) for line in open(path) if line.strip()]
+        att = attempts.setdefault(a, {"restored": recs[0]["restored"], "steps": {}})
+        for rec in recs[1:]:
+            att["steps"].setdefault(rec["step"], []).append(rec)
+    per_epoch: dict[int, Counter] = {}
+    for s in range(1, final_step + 1):
+        owner = max(a for a, att in attempts.items() if att["restored"] < s and s in att["steps"])
+        for rec in attempts[owner]["steps"][s]:
+            if not rec["pad"]:
+                per_epoch.setdefault(rec["epoch"], Counter()).update(rec["ids"])
+    epochs = sorted(per_epoch)
+    for e in epochs:
+        twice = {i: c for i, c in per_epoch[e].items() if c > 1}
+        assert not twice, f"epoch {e}: samples used more than once: {twice}"
+        if e != epochs[-1]:
+            assert set(per_epoch[e]) == set(range(N_SAMPLES)), (
+                f"epoch {e}: samples never used: {sorted(set(range(N_SAMPLES)) - set(per_epoch[e]))}")
+    return {e: sum(per_epoch[e].values()) for e in epochs}
+
+
+def wait_for(pred, timeout_s: float = 60.0, every_s: float = 0.05):
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError("condition not met in time")
+        time.sleep(every_s)
