@@ -1,0 +1,255 @@
+"""The controller stepped by hand with a fake cluster and a scripted worker group (no Ray).
+
+Each test scripts what the group reports at each poll and checks the state sequence, the group
+sizes started, the restore decisions and the events written - the Ray Train v2 way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cfdist.cluster.config import FitConfig
+from cfdist.cluster.controller import Controller
+from cfdist.cluster.decisions import Holding
+from cfdist.cluster.events import EventLog
+from cfdist.cluster.nodes import NodeInfo
+from cfdist.cluster.result import FitError
+from cfdist.cluster.states import FailedState, FinishedState, GroupStatus, RankError, RecoveringState, RunningState
+
+N = [NodeInfo(f"node{i}" + "x" * 10, f"n{i}", "127.0.0.1", 2, 0) for i in range(3)]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+class FakeGroup:
+    def __init__(self, nodes, script, wpn):
+        self.nodes = nodes
+        self.world_size = len(nodes) * wpn
+        self.script = list(script)
+        self.shut = False
+        self.notified = []
+
+    def poll(self, timeout_s):
+        return self.script.pop(0) if self.script else GroupStatus()
+
+    def current_step(self):
+        return None
+
+    def notify(self, nodes, *, save):
+        self.notified.append((tuple(nodes), save))
+
+    def pids(self):
+        return [1, 2]
+
+    def node_rank_of(self, node_id):
+        return next((i for i, n in enumerate(self.nodes) if n.node_id == node_id), None)
+
+    def shutdown(self):
+        self.shut = True
+
+
+class FakeBackend:
+    """Nodes, holdings and per-attempt scripts set by the test."""
+
+    def __init__(self, nodes, scripts, holdings=(), wpn=1):
+        self.nodes = list(nodes)
+        self.scripts = list(scripts)
+        self.holdings_now = list(holdings)
+        self.lost = set()
+        self.commits = []
+        self.groups = []
+        self.staged = []
+        self.wpn = wpn
+
+    def usable_nodes(self):
+        return [n for n in self.nodes if n.node_id not in self.lost]
+
+    def lost_nodes(self, nodes):
+        return {n.node_id for n in nodes} & self.lost
+
+    def holdings(self):
+        return list(self.holdings_now)
+
+    def stage(self, choice, nodes):
+        self.staged.append(choice)
+        return {}
+
+    def start_group(self, nodes, choice, attempt, dead_pids):
+        g = FakeGroup(nodes, self.scripts.pop(0), self.wpn)
+        self.groups.append((g, choice))
+        return g
+
+    def drain_commits(self):
+        out, self.commits = self.commits, []
+        return out
+
+    def finish(self):
+        return "file:///ckpt/step-000000010"
+
+
+def step_rec(t, step):
+    return {"type": "step", "t": t, "step": step, "stall_s": 0.0}
+
+
+def make(backend, clock, **cfg):
+    config = FitConfig(storage=("file:///tmp/x",), num_nodes=cfg.pop("num_nodes", 2), progress=False, **cfg)
+    events = EventLog(None, clock=clock)
+    return Controller(config, backend, events, clock=clock, sleep=clock.sleep), events
+
+
+def drive(ctl, n=50):
+    names = [ctl.state.name]
+    for _ in range(n):
+        if ctl.state.terminal:
+            break
+        ctl.step()
+        names.append(ctl.state.name)
+    return names
+
+
+def test_fresh_start_runs_to_the_end():
+    clock = Clock()
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1001, 1), step_rec(1002, 2)]),
+                              GroupStatus(finished=True, results={0: {"final_step": 2, "value": "v"}})]])
+    ctl, ev = make(be, clock)
+    assert drive(ctl) == ["recovering", "running", "running", "finished"]
+    assert isinstance(ctl.state, FinishedState) and ctl.state.value == "v"
+    g, choice = be.groups[0]
+    assert len(g.nodes) == 2 and choice.step is None and g.shut
+    r = ctl.result()
+    assert (r.final_step, r.steps, r.failures, r.checkpoint) == (2, 2, 0, "file:///ckpt/step-000000010")
+    assert [e["step"] for e in ev.of("step")] == [1, 2]
+    assert ev.of("end")[0]["step"] == 2
+
+
+def test_crash_recovers_from_memory_and_counts_lost_iterations():
+    clock = Clock()
+    died = GroupStatus(records=[step_rec(1001, 7)], errors=[RankError(1, N[1].node_id, True, "ActorDiedError")])
+    be = FakeBackend(N[:2], [
+        [died],
+        [GroupStatus(records=[{"type": "restored", "t": 1003, "step": 4, "restore_s": 0.01}, step_rec(1004, 5)]),
+         GroupStatus(finished=True, results={0: {"final_step": 5}})],
+    ])
+    ctl, ev = make(be, clock)
+    ctl.step()                                  # fresh start: nothing committed yet
+    be.holdings_now = [Holding(node_id=N[0].node_id, memory=(4,)), Holding(node_id=N[1].node_id, memory=(4,))]
+    states = drive(ctl)
+    assert states == ["running", "recovering", "running", "running", "finished"]
+    assert be.groups[0][0].shut
+    choice = be.groups[1][1]
+    assert choice.step == 4 and choice.tier == "memory"
+    r = ctl.result()
+    assert r.failures == 1 and r.lost_iterations == [3]
+    (f,) = r.failure_stats
+    assert f.kind == "crash" and f.tier == "memory" and f.restored_step == 4
+    (fail,) = ev.of("failure")
+    assert fail["kind"] == "crash" and fail["step"] == 7 and fail["rank"] == 1 and fail["node"] == 1
+    (rest,) = ev.of("restored")
+    assert rest["step"] == 4 and rest["tier"] == "memory" and rest["restore_s"] >= 0
+    decisions = [d["what"] for d in ev.of("decision")]
+    assert decisions.count("restore") == 2 and "failure" in decisions
+
+
+def test_lost_node_without_spare_shrinks_the_group():
+    clock = Clock()
+    be = FakeBackend(N[:2], [
+        [GroupStatus(errors=[RankError(0, N[0].node_id, False, "gloo: connection closed")])],
+        [GroupStatus(finished=True, results={0: {"final_step": 3}})],
+    ])
+    ctl, ev = make(be, clock)
+    ctl.step()                          # start
+    be.lost.add(N[1].node_id)           # node 1 vanishes; the survivor's collective fails
+    ctl.step()
+    assert isinstance(ctl.state, RecoveringState) and ctl.state.failure.kind == "preempt"
+    drive(ctl)
+    assert isinstance(ctl.state, FinishedState)
+    assert [len(g.nodes) for g, _ in be.groups] == [2, 1]
+    assert ctl.result().world_sizes == (2, 1)
+
+
+def test_failures_beyond_max_failures_fail_the_run_with_the_reason():
+    clock = Clock()
+    boom = [GroupStatus(errors=[RankError(0, N[0].node_id, False, "ValueError: bad batch")])]
+    be = FakeBackend(N[:2], [boom, boom, boom])
+    ctl, ev = make(be, clock, max_failures=1)
+    states = drive(ctl)
+    assert states[-1] == "failed" and states.count("running") == 2
+    err = ctl.state.error
+    assert isinstance(err, FitError)
+    assert "max_failures=1" in str(err) and "bad batch" in str(err)
+    with pytest.raises(FitError):
+        ctl.state = RecoveringState()   # run() raises the terminal error
+        be.scripts = [boom, boom, boom]
+        ctl.num_failures = 0
+        ctl.run()
+
+
+def test_too_few_nodes_waits_then_fails_after_the_deadline():
+    clock = Clock()
+    be = FakeBackend([], [])
+    ctl, ev = make(be, clock, wait_for_nodes_s=2.0, poll_s=0.5)
+    states = drive(ctl, n=20)
+    assert states[-1] == "failed" and "min_nodes=1" in str(ctl.state.error)
+    assert 2.0 < clock.t - 1000.0 < 3.5
+    assert ev.of("decision")[0]["what"] == "wait_for_nodes"
+
+
+def test_waiting_for_nodes_logs_nodes_ready_when_they_come():
+    clock = Clock()
+    be = FakeBackend([], [[GroupStatus(finished=True, results={0: {"final_step": 0}})]])
+    ctl, ev = make(be, clock, wait_for_nodes_s=60.0, num_nodes=1)
+    ctl.step()
+    ctl.step()
+    assert isinstance(ctl.state, RecoveringState) and ctl.state.since is not None
+    be.nodes = N[:1]
+    ctl.step()
+    assert isinstance(ctl.state, RunningState)
+    assert len(ev.of("nodes_ready")) == 1
+
+
+def test_capacity_return_grows_the_group_at_the_next_commit():
+    clock = Clock()
+    be = FakeBackend(N[:1], [
+        [GroupStatus(records=[step_rec(1001, 5)])] * 3 + [GroupStatus(records=[step_rec(1010, 8)])],
+        [GroupStatus(finished=True, results={0: {"final_step": 9}})],
+    ])
+    ctl, ev = make(be, clock, poll_s=0.5)
+    ctl.step()                                  # 1 node: elastic start
+    be.nodes = N[:2]                            # a node returns
+    clock.t += 10
+    ctl.step()                                  # running: capacity check decides to grow
+    assert any(d["what"] == "grow_at_next_checkpoint" for d in ev.of("decision"))
+    assert isinstance(ctl.state, RunningState)
+    be.commits = [{"t": clock.t, "step": 8, "tier": "memory", "node_id": N[0].node_id}]
+    be.holdings_now = [Holding(node_id=N[0].node_id, memory=(8,))]
+    ctl.step()
+    assert isinstance(ctl.state, RecoveringState) and ctl.state.resize
+    drive(ctl)
+    assert [len(g.nodes) for g, _ in be.groups] == [1, 2]
+    grown = be.groups[1][1]
+    assert grown.step == 8 and grown.sources[N[1].node_id] == ("peer", N[0].node_id)
+    assert ctl.result().failures == 0 and len(ev.of("resize")) == 1
+
+
+def test_commits_are_logged_once_per_step_and_tier_in_time_order():
+    clock = Clock()
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1001.0, 4), step_rec(1003.0, 5)]),
+                              GroupStatus(finished=True, results={0: {"final_step": 5}})]])
+    ctl, ev = make(be, clock)
+    ctl.step()
+    be.commits = [{"t": 1002.0, "step": 4, "tier": "memory", "node_id": N[0].node_id},
+                  {"t": 1002.5, "step": 4, "tier": "memory", "node_id": N[1].node_id}]
+    ctl.step()
+    order = [(r["event"], r["step"]) for r in ev.records if r["event"] in ("step", "checkpoint_committed")]
+    assert order == [("step", 4), ("checkpoint_committed", 4), ("step", 5)]
+    ts = [r["t"] for r in ev.records]
+    assert ts == sorted(ts)

@@ -1,0 +1,73 @@
+"""The controller's pure decisions, as tables: restore choice, group size, failure budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from cfdist.cluster.decisions import Failure, FailurePolicy, Holding, ScalingPolicy, choose_restore
+
+A, B, C = "a" * 16, "b" * 16, "c" * 16
+
+
+@pytest.mark.parametrize("holdings, group, peer_copy, want_step, want_sources", [
+    # nothing anywhere: scratch
+    ([], [A, B], True, None, {}),
+    # both nodes hold 8 in memory
+    ([Holding(node_id=A, memory=(8,), local=(8,)), Holding(node_id=B, memory=(8,), local=(8,))],
+     [A, B], True, 8, {A: ("memory", None), B: ("memory", None)}),
+    # B's writer died before committing 12: B gets 12 from A's actor (newest wins)
+    ([Holding(node_id=A, memory=(12,), local=(12,)), Holding(node_id=B, memory=(8,), local=(8,))],
+     [A, B], True, 12, {A: ("memory", None), B: ("peer", A)}),
+    # ...without peer copy, 8 is the newest both have (A keeps two)
+    ([Holding(node_id=A, memory=(8, 12), local=(12,)), Holding(node_id=B, memory=(8,), local=(8,))],
+     [A, B], False, 8, {A: ("memory", None), B: ("memory", None)}),
+    # B lost: replacement C is empty; peer copy from A
+    ([Holding(node_id=A, memory=(12,), local=(8, 12))], [A, C], True, 12, {A: ("memory", None), C: ("peer", A)}),
+    # no peer copy: C can only use shared storage, which has 8 (A has 8 on disk)
+    ([Holding(node_id=A, memory=(12,), local=(8, 12)), Holding(node_id=None, shared=(4, 8))],
+     [A, C], False, 8, {A: ("local", None), C: ("shared", None)}),
+    # only shared survives
+    ([Holding(node_id=None, shared=(20,))], [C], True, 20, {C: ("shared", None)}),
+    # memory newer than local: memory wins; local-only step older
+    ([Holding(node_id=A, memory=(16,), local=(12,))], [A], True, 16, {A: ("memory", None)}),
+])
+def test_choose_restore(holdings, group, peer_copy, want_step, want_sources):
+    c = choose_restore(holdings, group, peer_copy=peer_copy)
+    assert c.step == want_step
+    assert c.sources == want_sources
+    assert ("from scratch" in c.reason) == (want_step is None)
+
+
+def test_choose_restore_skips_excluded_steps_and_reports_the_slowest_tier():
+    h = [Holding(node_id=A, memory=(12,), local=(8, 12)), Holding(node_id=None, shared=(8,))]
+    c = choose_restore(h, [A, C], exclude=frozenset({12}))
+    assert c.step == 8 and c.sources == {A: ("local", None), C: ("peer", A)}
+    assert c.tier == "peer"
+    assert choose_restore([], [A]).tier == "none"
+
+
+@pytest.mark.parametrize("usable, want, reason", [
+    (3, 2, "full size"), (2, 2, "full size"), (1, 1, "elastic"), (0, None, "min_nodes=1"),
+])
+def test_scaling_size_for(usable, want, reason):
+    d = ScalingPolicy(num_nodes=2, min_nodes=1).size_for(usable)
+    assert d.num_nodes == want and reason in d.reason
+
+
+@pytest.mark.parametrize("current, usable, want", [(1, 1, None), (1, 2, 2), (1, 5, 2), (2, 3, None)])
+def test_scaling_should_grow(current, usable, want):
+    assert ScalingPolicy(num_nodes=2, min_nodes=1).should_grow(current, usable).num_nodes == want
+
+
+@pytest.mark.parametrize("so_far, max_failures, action", [(0, 2, "retry"), (1, 2, "retry"), (2, 2, "raise"), (0, 0, "raise")])
+def test_failure_policy(so_far, max_failures, action):
+    f = Failure(kind="crash", step=7)
+    d = FailurePolicy(max_failures=max_failures).make_decision(so_far, f)
+    assert d.action == action
+    assert f"max_failures={max_failures}" in d.reason or action == "retry"
+    assert "step 7" in d.reason
+
+
+def test_failure_kind_is_validated():
+    with pytest.raises(ValueError, match="kind"):
+        Failure(kind="boom", step=1)

@@ -1,0 +1,125 @@
+"""The NodeCheckpointer's persist path without Ray: a real Checkpointer hands pickled jobs
+(arena paths in /dev/shm, no tensors) to the actor class called in-process; the actor writes
+the memory and local tiers, copies to shared storage in the background, exports a frozen copy
+for a peer, and refuses persists from a replaced attempt."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import pickle
+import uuid
+
+import pytest
+import torch
+
+import cfdist
+from cfdist.checkpoint.persist import FuturePending
+from cfdist.cluster import transfer
+from cfdist.cluster.config import FitConfig
+from cfdist.cluster.node_actor import SHM_ROOT, NodeCheckpointer, StaleAttempt, memory_root
+from cfdist.storage import open_storages
+
+pytestmark = pytest.mark.skipif(SHM_ROOT is None, reason="needs /dev/shm")
+
+
+class InProcess:
+    """A PersistBackend that pickles each job (as Ray would) and calls the actor on a thread."""
+
+    needs_shared_memory = True
+
+    def __init__(self, actor, attempt=0):
+        self.actor, self.attempt = actor, attempt
+        self.ex = cf.ThreadPoolExecutor(1)
+        self.sent_bytes = []
+
+    def submit(self, job):
+        blob = pickle.dumps(job)
+        self.sent_bytes.append(len(blob))
+        return FuturePending(self.ex.submit(self.actor.persist, pickle.loads(blob), self.attempt), job.step)
+
+    def close(self):
+        self.ex.shutdown()
+
+
+def _state(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Linear(64, 64)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+
+def _train(ck, m, opt, steps):
+    for i in range(steps):
+        m(torch.randn(4, 64, generator=torch.Generator().manual_seed(i))).sum().backward()
+        ck.step(opt)
+        opt.zero_grad()
+
+
+@pytest.fixture
+def actors(tmp_path):
+    run_id = f"unit-{uuid.uuid4().hex[:8]}"
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", shared_storage=f"file://{tmp_path}/shared",
+                    shared_every=2, run_name="r")
+    made = [NodeCheckpointer(config=cfg, run_id=run_id, node_id=n * 20, node_name=n.lower()) for n in "AB"]
+    yield made
+    for a in made:
+        a.close()
+    assert made[0]._mem_dir.startswith(memory_root(run_id))
+    assert not any(os.path.exists(a._mem_dir) for a in made), "memory tier not freed"
+
+
+def test_persist_writes_memory_and_local_then_shared_in_background(actors, tmp_path):
+    a, _ = actors
+    a.begin_attempt(0, shared_writer=True)
+    tiers = a.ready()
+    m, opt = _state()
+    backend = InProcess(a)
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, tiers["memory"], cfdist.Every(2), writer=True,
+                             backend=backend, restore_from=tiers["local"])
+    _train(ck, m, opt, 8)
+    ck.close()
+    assert max(backend.sent_bytes) < 16_000, "jobs must carry arena paths, not tensor bytes"
+    assert a.flush_shared() == 8
+    h = a.holdings(with_shared=True)
+    assert h["memory"] == [8] and h["local"] == [8] and 8 in h["shared"]
+    evs = a.drain_events()
+    assert {(e["step"], e["tier"]) for e in evs} >= {(2, "memory"), (2, "local"), (8, "memory"), (8, "local"), (8, "shared")}
+    assert a.drain_events() == []
+    loaded = cfdist.load(tiers["shared"], 8)["state"]["model"]
+    assert torch.equal(loaded["weight"], m.weight.detach())
+
+
+def test_export_seeds_a_peer_that_restores_the_same_bytes(actors):
+    a, b = actors
+    a.begin_attempt(0, shared_writer=False)
+    m, opt = _state()
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, a.ready()["memory"], cfdist.Every(3), writer=True,
+                             backend=InProcess(a))
+    _train(ck, m, opt, 6)
+    ck.close()
+    frozen = a.export(6)
+    assert transfer.nbytes(frozen) > 64 * 64 * 4
+    dst = open_storages(b.ready()["memory"])
+    assert transfer.commit_frozen(frozen, 6, dst, source="peer A", keep=1) is True
+    assert transfer.commit_frozen(frozen, 6, dst, source="peer A", keep=1) is False   # already there
+    assert b.holdings()["memory"] == [6]
+    m2, opt2 = _state(seed=1)
+    ck2 = cfdist.Checkpointer({"model": m2, "optim": opt2}, b.ready()["memory"], cfdist.Every(3), writer=False)
+    assert ck2.restore(6) == 6
+    assert torch.equal(m2.weight, m.weight) and torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"],
+                                                            opt.state_dict()["state"][0]["momentum_buffer"])
+    with pytest.raises(FileNotFoundError, match="no committed step 5"):
+        a.export(5)
+
+
+def test_a_replaced_attempt_cannot_persist(actors):
+    a, _ = actors
+    a.begin_attempt(3, shared_writer=False)
+    m, opt = _state()
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, a.ready()["memory"], cfdist.Every(1), writer=True,
+                             backend=InProcess(a, attempt=2))
+    _train(ck, m, opt, 1)
+    with pytest.raises(StaleAttempt, match="attempt 2 refused.*attempt 3"):
+        ck.wait()
+    ck.close()
+    assert a.holdings()["memory"] == []
