@@ -32,6 +32,21 @@ WORLD = 2
 STEPS_FAST, STEPS_SLOW = 50, 90
 
 
+class Carry:
+    """The smallest carrier policy: sends ``value`` from every rank (only rank 0's travels)."""
+
+    sync_width = 1
+
+    def __init__(self, value):
+        self.value, self.fetch = value, None
+
+    def sync_payload(self):
+        return (self.value,)
+
+    def sync_attached(self, fetch):
+        self.fetch = fetch
+
+
 class RecordingAuto(Auto):
     """Auto that remembers which steps it answered True for."""
 
@@ -70,18 +85,17 @@ def _worker(rank, port, root, out):
     try:
         # ---- 1. the hook keeps DDP's averaged gradients bit for bit ----------------------------
         plain, hooked = DDP(_model()), DDP(_model())
-        carrier_policy = Auto()
-        carrier_policy.bind(_ctx(rank))
+        carrier_policy = Carry(123457 if rank == 0 else 999)  # only rank 0's value travels
         assert attach_sync_hook(hooked, carrier_policy) is True
         assert attach_sync_hook(hooked, carrier_policy) is True  # idempotent
-        carrier_policy._proposal = 123457 if rank == 0 else 999  # only rank 0's value travels
+        assert carrier_policy.fetch() is None  # nothing carried before the first backward
         for i in range(3):
             x = _batch(rank, i)
             plain(x).square().mean().backward()
             hooked(x).square().mean().backward()
             for a, b in zip(plain.parameters(), hooked.parameters()):
                 assert torch.equal(a.grad, b.grad), "the carrier hook changed a gradient"
-        res["carried"] = list(carrier_policy._fetch())
+        res["carried"] = list(carrier_policy.fetch())
 
         # ---- 2. another comm hook is refused with a fix ----------------------------------------
         def users_own_hook(state, bucket):
@@ -135,11 +149,6 @@ def _worker(rank, port, root, out):
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
         dist.destroy_process_group()
-
-
-def _ctx(rank):
-    from cfdist.policy import PolicyContext
-    return PolicyContext(rank=rank, world_size=WORLD)
 
 
 @pytest.mark.slow

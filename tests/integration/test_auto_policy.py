@@ -92,3 +92,25 @@ def test_slower_storage_raises_k_and_a_restart_reuses_the_profile(tmp_path, capl
     assert first["step"] == restored_at + 1 and first["k_new"] == k and "cached profile" in first["reason"]
     # no profiling snapshot (it would come at restored + 10): the next checkpoint is k steps on
     assert ck2.latest_step == (restored_at + k if k <= n else restored_at), (k, ck2.latest_step)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_auto_profiles_both_snapshot_kinds_and_picks_gpu_memory(tmp_path):
+    """Real: a CUDA model, the checkpointer's GPU and CPU snapshots, ``torch.cuda`` memory
+    figures. The point: a small state fits in free GPU memory, so Auto snapshots there."""
+    model = _model().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ckpt = Checkpointer({"model": model, "opt": opt}, storage=f"file://{tmp_path.as_posix()}/ck",
+                        policy=Auto(profile_steps=10))
+    x = torch.randn(8, 512, device="cuda")
+    for _ in range(40):
+        model(x).square().mean().backward()
+        ckpt.step(opt)
+        opt.zero_grad()
+    ckpt.close()
+    s = ckpt.stats
+    prof = s["profile"]
+    assert s["phase"] == "tuning" and prof["Tg"] is not None
+    assert 0 < prof["M"] < prof["Mmax"] and prof["m"] >= STATE_BYTES
+    assert s["decision"]["mode"] == "gpu" and s["mode"] == "gpu"

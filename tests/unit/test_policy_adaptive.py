@@ -187,14 +187,9 @@ def test_slower_persist_raises_k_and_overhead_returns_to_budget(caplog):
     assert any("because" in r.message and "p=3.5%" in r.message for r in caplog.records)
     # overhead in the last 2000 steps is within the budget again
     tail_auto = Auto(max_overhead=0.035, profile_steps=20)
-    tail_auto.bind(PolicyContext(state_bytes=1000, cached_profile=auto.profile_to_save() or _cache_of(auto)))
+    tail_auto.bind(PolicyContext(state_bytes=1000, cached_profile=auto.profile_to_save()))
     _, ov = overhead(lambda: tail_auto, 2000, Ts=lambda s: 2.5)
     assert ov <= 0.035 * 1.05
-
-
-def _cache_of(auto):
-    d = auto._cache_dict(auto.k)
-    return d
 
 
 def test_static_k_balloons_where_adaptive_stays_in_budget():
