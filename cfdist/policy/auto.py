@@ -103,7 +103,6 @@ class Auto:
         self.k: int | None = None
         self.mode: str = "cpu"
         self.ctx = PolicyContext()
-        self._bound = False
         self._fetch = None           # the carrier's reader, set by sync_attached
         self._first: int | None = None
         self._last_ckpt = 0
@@ -129,7 +128,7 @@ class Auto:
         """Learn the job (once, before the first step). Uses ``ctx.cached_profile`` when valid."""
         if self._first is not None:
             raise RuntimeError("Auto.bind() must come before the first step; build a new Auto per Checkpointer")
-        self.ctx, self._bound = ctx, True
+        self.ctx = ctx
         if self.mtbf_s is None:
             est = freq.estimate_mtbf(ctx.failure_times_s, now_s=ctx.now_s)
             if est is not None:
