@@ -272,7 +272,8 @@ class Controller:
             step_at = max(self.step_now, group.current_step() or 0)
         except Exception:  # noqa: BLE001 - survivors may be going down too
             step_at = self.step_now
-        node = next((i for i, n in enumerate(group.nodes) if n.node_id in {x.node_id for x in lost}), None)
+        node = next((i for i, n in enumerate(group.nodes) if n.node_id in lost_ids),
+                    first.rank // max(1, group.world_size // max(1, len(group.nodes))))
         failure = Failure(kind=kind, step=step_at, rank=None if lost else first.rank, node=node,
                           node_id=lost[0].node_id if lost else first.node_id,
                           message=first.message[:500], failed_at=claimed["t"] if claimed else detected,
