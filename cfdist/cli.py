@@ -1,0 +1,296 @@
+"""The ``cfdist`` command.
+
+::
+
+    cfdist fit run.yaml               # cfdist.fit from a YAML file (see `cfdist fit --help`)
+    cfdist ls file:///mnt/ssd/cfdist/run1
+    cfdist inspect file:///mnt/ssd/cfdist/run1/step-000001200   # or the run dir: newest step
+    cfdist demo                       # the local demo (python -m cfdist.demo)
+
+Subcommands live in :data:`SUBCOMMANDS`: ``name -> "module:function"``; the function receives
+the ``argparse`` subparsers object and registers its parser with ``set_defaults(run=...)``.
+Add a command by adding one entry (its module is imported only when the command line is parsed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+SUBCOMMANDS: dict[str, str] = {
+    "fit": "cfdist.cli:_register_fit",
+    "ls": "cfdist.cli:_register_ls",
+    "inspect": "cfdist.cli:_register_inspect",
+    "demo": "cfdist.cli:_register_demo",
+    # "experiment": "cfdist.chaos.experiment:register",   # chaos experiments (cfdist/chaos)
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cfdist", description="Preemption-tolerant PyTorch training with "
+                                "iteration-level checkpoints.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, target in SUBCOMMANDS.items():
+        mod, fn = target.split(":")
+        try:
+            getattr(importlib.import_module(mod), fn)(sub)
+        except ImportError as e:   # an optional command whose dependencies are missing
+            q = sub.add_parser(name, help=f"(unavailable: {e})")
+            q.set_defaults(run=lambda a, e=e: _fail(f"cfdist {a.command} is unavailable: {e}"))
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
+    return int(args.run(args) or 0)
+
+
+def _fail(msg: str) -> int:
+    print(f"cfdist: error: {msg}", file=sys.stderr)
+    return 2
+
+
+# ---- fit -----------------------------------------------------------------------------------------
+
+FIT_EXAMPLE = """\
+example run.yaml:
+
+  train: launch/train_small.py:train_loop   # file.py:function or package.module:function
+  train_args: {steps: 200}                  # keyword arguments of the training function
+  num_nodes: 2
+  workers_per_node: 1
+  storage: file:///mnt/local-ssd/cfdist
+  shared_storage: s3://my-bucket/runs       # optional
+  run_name: shapes
+  policy: every:20                          # auto | every:K | epoch | {auto: {max_overhead: 0.03}}
+  max_failures: 10
+  preemption: {fixed_interval: {every_s: 600, kind: crash}}   # optional (cfdist.chaos)
+  # any other cfdist.fit / FitConfig option: min_nodes, shared_every, cpus_per_worker, ...
+"""
+
+
+def _register_fit(sub) -> None:
+    p = sub.add_parser("fit", help="run cfdist.fit from a YAML config", epilog=FIT_EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a top-level key (value parsed as YAML), e.g. --set num_nodes=1")
+    p.set_defaults(run=_run_fit)
+
+
+def load_train_fn(spec: str):
+    """``path/to/file.py:fn`` or ``package.module:fn`` -> the function (shipped to workers by value)."""
+    import importlib.util
+    import os
+
+    import ray.cloudpickle
+
+    if ":" not in spec:
+        raise ValueError(f"train must be 'file.py:function' or 'module:function', got {spec!r}")
+    where, fn = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = os.path.abspath(where)
+        name = os.path.splitext(os.path.basename(path))[0]
+        spec_ = importlib.util.spec_from_file_location(name, path)
+        if spec_ is None:
+            raise FileNotFoundError(f"train file {path} not found")
+        mod = importlib.util.module_from_spec(spec_)
+        sys.modules[name] = mod
+        spec_.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(where)
+    ray.cloudpickle.register_pickle_by_value(mod)   # workers need not have the file
+    try:
+        return getattr(mod, fn)
+    except AttributeError:
+        raise AttributeError(f"{where} has no function {fn!r}") from None
+
+
+def parse_policy(value):
+    import cfdist
+
+    if value is None or value == "auto":
+        return cfdist.Auto()
+    if isinstance(value, str) and value.startswith("every:"):
+        return cfdist.Every(int(value.split(":", 1)[1]))
+    if value == "epoch":
+        return cfdist.EveryEpoch()
+    if isinstance(value, dict) and len(value) == 1:
+        (kind, kw), = value.items()
+        if kind == "auto":
+            return cfdist.Auto(**(kw or {}))
+        if kind == "every":
+            return cfdist.Every(**kw) if isinstance(kw, dict) else cfdist.Every(int(kw))
+    raise ValueError(f"policy must be auto, every:K, epoch or {{auto: {{...}}}}, got {value!r}")
+
+
+def parse_preemption(value):
+    if value is None:
+        return None
+    from cfdist import chaos
+
+    classes = {"fixed_interval": chaos.FixedInterval, "exponential": chaos.Exponential, "weibull": chaos.Weibull}
+    if not (isinstance(value, dict) and len(value) == 1 and next(iter(value)) in classes):
+        raise ValueError(f"preemption must be one of {sorted(classes)} with its arguments, e.g. "
+                         f"{{fixed_interval: {{every_s: 600, kind: crash}}}}; got {value!r}")
+    (kind, kw), = value.items()
+    return classes[kind](**kw)
+
+
+def _run_fit(a) -> int:
+    import functools
+
+    import yaml
+
+    from cfdist.api import fit
+
+    with open(a.config) as f:
+        cfg = yaml.safe_load(f) or {}
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        cfg[k] = yaml.safe_load(v)
+    if "train" not in cfg or "storage" not in cfg:
+        return _fail(f"{a.config} needs at least 'train' and 'storage'\n\n{FIT_EXAMPLE}")
+    fn = load_train_fn(cfg.pop("train"))
+    train_args = cfg.pop("train_args", None) or {}
+    policy = parse_policy(cfg.pop("policy", None))
+    preemption = parse_preemption(cfg.pop("preemption", None))
+    result = fit(functools.partial(fn, **train_args) if train_args else fn, policy=policy,
+                 preemption=preemption, **cfg)
+    from rich.console import Console
+
+    from cfdist.demo import summary_table
+
+    Console().print(summary_table(result, title=f"cfdist fit {a.config}"))
+    return 0
+
+
+# ---- ls / inspect ----------------------------------------------------------------------------------
+
+def _register_ls(sub) -> None:
+    p = sub.add_parser("ls", help="list the committed checkpoints of a storage URL")
+    p.add_argument("storage", help="URL of a run directory (file://..., s3://...)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(run=_run_ls)
+
+
+def _run_ls(a) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from cfdist.checkpoint import list_checkpoints
+
+    rows = list_checkpoints(a.storage)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    if not rows:
+        print(f"no committed checkpoint in {a.storage}")
+        return 1
+    t = Table(title=a.storage)
+    for col in ("step", "epoch", "epoch end", "committed", "bytes", "url"):
+        t.add_column(col)
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r.get("time") else "-"
+        t.add_row(str(r["step"]), str(r["epoch"]), "yes" if r["epoch_end"] else "", when,
+                  f"{r['bytes']:,}" if r.get("bytes") is not None else "-", r["url"])
+    Console().print(t)
+    return 0
+
+
+def _register_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="show what a checkpoint holds (and verify its checksums)")
+    p.add_argument("checkpoint", help="URL of a step directory (.../step-000001200) or of a run "
+                                      "directory (its newest step)")
+    p.add_argument("--verify", action="store_true", help="read every tensor and check its xxh3")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_run_inspect)
+
+
+def split_checkpoint_url(url: str) -> tuple[str, int | None]:
+    """``.../step-000001200`` -> (``...``, 1200); a run directory -> (url, None)."""
+    from cfdist.checkpoint.format import parse_step_dir
+
+    base, _, last = url.rstrip("/").rpartition("/")
+    step = parse_step_dir(last)
+    return (base, step) if step is not None else (url.rstrip("/"), None)
+
+
+def summarize_manifest(m: dict) -> dict:
+    """A short, JSON-able summary of a manifest: sizes per state entry, the small state."""
+    per_key: dict[str, list[int]] = {}
+    for name, t in m["tensors"].items():
+        key = name.split("/", 1)[0]
+        c = per_key.setdefault(key, [0, 0])
+        c[0] += 1
+        c[1] += t["nbytes"]
+    skeleton = m.get("skeleton", {})
+    late = m.get("late", {})
+    return {
+        "step": m["step"], "epoch": m.get("epoch"), "epoch_end": m.get("epoch_end"),
+        "world_size": m.get("world_size"), "bytes": m.get("bytes"), "format": m.get("format"),
+        "state": {k: {"tensors": per_key.get(k, [0, 0])[0], "bytes": per_key.get(k, [0, 0])[1]}
+                  for k in sorted(set(skeleton) | set(late) | set(per_key)) if not k.startswith("_")},
+        "shards": [s["file"] for s in m["shards"]],
+    }
+
+
+def _run_inspect(a) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from cfdist.checkpoint import CheckpointError
+    from cfdist.checkpoint.discovery import committed_steps, load, read_manifest
+    from cfdist.storage import open_storages
+
+    root, step = split_checkpoint_url(a.checkpoint)
+    sts = open_storages(root)
+    if step is None:
+        steps = committed_steps(sts[0])
+        if not steps:
+            return _fail(f"no committed checkpoint in {root}")
+        step = steps[-1]
+    try:
+        summary = summarize_manifest(read_manifest(sts, step))
+        if a.verify:
+            load(root, step, verify=True)
+            summary["verified"] = True
+    except CheckpointError as e:
+        return _fail(str(e))
+    if a.json:
+        print(json.dumps(summary))
+        return 0
+    t = Table(title=f"{root}/step-{step:09d}")
+    t.add_column("state entry")
+    t.add_column("tensors", justify="right")
+    t.add_column("bytes", justify="right")
+    for k, v in summary["state"].items():
+        t.add_row(k, str(v["tensors"]), f"{v['bytes']:,}")
+    con = Console()
+    con.print(f"step {summary['step']}, epoch {summary['epoch']}{' (end)' if summary['epoch_end'] else ''}, "
+              f"world size {summary['world_size']}, {summary['bytes']:,} bytes in {len(summary['shards'])} "
+              f"shard(s), format {summary['format']}" + (", checksums OK" if summary.get("verified") else ""))
+    con.print(t)
+    return 0
+
+
+# ---- demo ------------------------------------------------------------------------------------------
+
+def _register_demo(sub) -> None:
+    p = sub.add_parser("demo", help="local cfdist.fit with simulated worker kills (python -m cfdist.demo)",
+                       add_help=False)
+    p.set_defaults(passthrough=True, run=lambda a: __import__("cfdist.demo", fromlist=["main"]).main(a.extra))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
