@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--before", type=int, default=200, help="steps at full disk speed")
     ap.add_argument("--after", type=int, default=400, help="steps after the slowdown")
     ap.add_argument("--warmup", type=int, default=80, help="first steps left out of 'before' (profiling)")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of none/adaptive/static")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of none/adaptive/static")
     ap.add_argument("--rate-mb", type=float, default=8.0, help="disk bandwidth before the slowdown, MB/s")
     ap.add_argument("--slowdown", type=float, default=5.0, help="the disk gets this many times slower")
     ap.add_argument("--sleep", type=float, default=0.02, help="seconds of 'compute' per step")

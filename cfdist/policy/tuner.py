@@ -15,9 +15,10 @@ checkpoint steps) is the wait for the previous persist, which a longer interval 
 
 Decisions, with hysteresis so ``k`` does not oscillate:
 
-* overhead > ``raise_above * p``: raise ``k`` at once, to where the persist fits
-  (``k + ceil(W / Ti)``) and the rest meets the target (``ceil(C0 / (lower_target p Ti))``),
-  at least ``k + 1``;
+* overhead > ``raise_above * p``: a measured persist wait raises ``k`` at once to where the
+  persist fits (``k + ceil(W / Ti)``); the rest of the cost raises it to
+  ``ceil(C0 / (lower_target p Ti))`` once ``raise_patience`` windows in a row were over budget
+  (with the smallest ``C0`` of them: a burst of load on the machine is not a checkpoint cost);
 * overhead < ``lower_below * p`` (and no persist wait) for ``lower_patience`` windows in a row:
   lower ``k`` to reach ``lower_target * p`` with the worst ``C0`` of those windows, never below
   the interval that still hides the persist (``k_persist`` from the latest measured snapshot and
@@ -26,7 +27,8 @@ Decisions, with hysteresis so ``k`` does not oscillate:
 * the first interval after a change is discarded (it mixes the old and the new ``k``).
 
 ``Ti`` is re-measured from quiet steps (no checkpoint in the step, no stall, no persist in
-flight): the median of a window's quiet steps replaces it when there are at least 5.
+flight): the mean of a window's quiet steps replaces it when there are at least 5 (the mean, so
+that load spikes unrelated to checkpointing are part of the baseline, not of the overhead).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class TunerConfig:
     """A window closes at the first checkpoint after this many steps (whole intervals)."""
     raise_above: float = 1.0
     """Raise k when a window's overhead exceeds ``raise_above * p``."""
+    raise_patience: int = 2
+    """Windows over budget in a row before a raise not explained by a persist wait."""
     lower_below: float = 0.5
     """Lower k only when overhead stays below ``lower_below * p`` ..."""
     lower_patience: int = 3
@@ -70,6 +74,8 @@ class TunerConfig:
                 f"got lower_below={self.lower_below} lower_target={self.lower_target} "
                 f"raise_above={self.raise_above}"
             )
+        if not (isinstance(self.raise_patience, int) and self.raise_patience >= 1):
+            raise ValueError(f"TunerConfig.raise_patience must be an int >= 1, got {self.raise_patience!r}")
         if not (isinstance(self.lower_patience, int) and self.lower_patience >= 1):
             raise ValueError(f"TunerConfig.lower_patience must be an int >= 1, got {self.lower_patience!r}")
         if not self.max_factor > 1:
@@ -131,6 +137,7 @@ class Tuner:
         self._reset_window()
         self._interval: list[StepMeasurement] = []
         self._low_streak: list[float] = []
+        self._high_streak: list[float] = []
         self._persist_pending = False
         self._after_ckpt = False
         self._wait_seen: tuple[int, float] | None = None  # (k, Ts) when a persist wait was seen
@@ -210,7 +217,7 @@ class Tuner:
     def _close_window(self, step: int) -> Change | None:
         cfg = self.config
         if len(self._quiet) >= 5:
-            self.Ti = statistics.median(self._quiet)
+            self.Ti = statistics.fmean(self._quiet)
         n, total, c, wait = self._n, self._sum, self._ckpts, self._wait
         self._reset_window()
         extra = total - n * self.Ti
@@ -234,16 +241,23 @@ class Tuner:
         target = cfg.lower_target * p
         if overhead > cfg.raise_above * p:
             self._low_streak = []
-            want = max(k + 1, k_fit, self._k_for(C0, target))
-            k_new = min(want, math.ceil(k * cfg.max_factor), cfg.k_max)
+            self._high_streak.append(C0)
+            want = max(k_fit, self.k_floor()) if W > 0 else 0
+            if len(self._high_streak) >= cfg.raise_patience:
+                want = max(want, self._k_for(min(self._high_streak), target))
+            if want <= k:
+                return None  # over budget once, not explained by a persist wait: confirm first
+            self._high_streak = []
+            k_new = min(max(want, k + 1), math.ceil(k * cfg.max_factor), cfg.k_max)
             why = f"overhead={overhead * 100:.2f}% > {cfg.raise_above * p * 100:.3g}%"
         elif self.k_floor() > k * 1.1:
             # in budget, but the floor rose (slower persist, or the MTBF optimum with the
             # measured cost): 10% slack so noise in Ts does not nudge k every window
-            self._low_streak = []
+            self._low_streak, self._high_streak = [], []
             k_new = min(self.k_floor(), math.ceil(k * cfg.max_factor), cfg.k_max)
             why = f"k_floor={self.k_floor()} > k={k} (overhead={overhead * 100:.2f}%)"
         elif overhead < cfg.lower_below * p and W == 0:
+            self._high_streak = []
             self._low_streak.append(C0)
             if len(self._low_streak) < cfg.lower_patience:
                 return None
@@ -262,7 +276,7 @@ class Tuner:
                    f"(last {overhead * 100:.2f}%, worst C0={worst:.3g}s)")
             inputs["C0"] = worst
         else:
-            self._low_streak = []
+            self._low_streak, self._high_streak = [], []
             return None
         if k_new == k:
             return None
