@@ -233,6 +233,7 @@ class Controller:
         self.events.emit("resize", step=c["step"], world_size=st.group.world_size,
                          nodes=len(st.group.nodes), to_nodes=self._grow_to)
         self._end_attempt(st)
+        self._dead_pids = st.group.pids()
         st.group.shutdown()
         self._grow_to = None
         self._recovery = {"resume": True, "failed_at": self.clock(), "detected_at": self.clock()}

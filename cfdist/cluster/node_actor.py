@@ -104,13 +104,20 @@ class NodeCheckpointer:
         with self._lock:
             self._attempt = attempt
             self._shared_writer = shared_writer
+        self.forget_workers(dead_pids)
+
+    def forget_workers(self, pids) -> int:
+        """Remove the /dev/shm arenas that killed workers (``pids``) left; returns how many."""
+        n = 0
         if SHM_ROOT:
-            for pid in dead_pids:
+            for pid in pids:
                 for p in glob.glob(os.path.join(SHM_ROOT, f"cfdist-{int(pid)}-*.arena")):
                     try:
                         os.unlink(p)
+                        n += 1
                     except OSError:
                         pass
+        return n
 
     # ---- the persist path ----------------------------------------------------------------------
     def persist(self, job: PersistJob, attempt: int) -> CommitInfo:
@@ -260,15 +267,21 @@ class NodeCheckpointer:
             out, self._events = self._events, []
         return out
 
-    def close(self, remove_memory: bool = True) -> None:
-        """Stop the shared copier (after its current copy) and free the memory tier."""
+    def close(self, remove_memory: bool = True, dead_pids=()) -> None:
+        """Stop the shared copier (after its current copy), free the memory tier and the arenas
+        of the workers the driver killed (``dead_pids``)."""
         with self._shared_cv:
             self._closing = True
             self._shared_cv.notify_all()
         if self._shared_thread.is_alive():
             self._shared_thread.join(timeout=60)
+        self.forget_workers(dead_pids)
         if remove_memory and self._mem_dir:
             shutil.rmtree(self._mem_dir, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(self._mem_dir))   # the run's directory, once empty
+            except OSError:
+                pass
 
 
 class ActorPending:

@@ -190,12 +190,14 @@ class RayBackend:
 
     def close(self) -> None:
         """Kill the group and the node actors; free the memory tiers on this machine too."""
+        pids = []
         if self.group is not None:
+            pids = self.group.pids()
             self.group.shutdown()
         refs = []
         for a in self.actors.values():
             try:
-                refs.append(a.close.remote())
+                refs.append(a.close.remote(dead_pids=pids))
             except Exception:  # noqa: BLE001
                 pass
         try:

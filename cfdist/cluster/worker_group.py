@@ -152,9 +152,14 @@ class RayWorkerGroup:
     def actor_of(self, rank: int):
         return self.workers[rank]
 
-    def crash(self, rank: int) -> None:
-        """SIGKILL the rank's process (from inside it: works on any node). Non-blocking."""
-        self.workers[rank].crash.remote()
+    def crash(self, rank: int, timeout_s: float = 10.0) -> None:
+        """SIGKILL the rank's process (from inside it: works on any node); returns once Ray saw
+        the process die (or after ``timeout_s``)."""
+        ref = self.workers[rank].crash.remote()
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass   # RayActorError: it died, as asked
 
     def shutdown(self) -> None:
         """Kill every rank's process (no restart). Safe to call twice."""
