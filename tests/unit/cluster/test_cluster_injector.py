@@ -1,0 +1,141 @@
+"""The failure injector against a fake controller and group (no Ray): what each event kind does."""
+
+from __future__ import annotations
+
+import pytest
+
+from cfdist.chaos import FixedInterval
+from cfdist.cluster.events import EventLog
+from cfdist.cluster.injector import AtStep, FailureInjector, StepSchedule
+from cfdist.cluster.nodes import NodeInfo
+from cfdist.cluster.states import RecoveringState, RunningState
+
+NODES = [NodeInfo(f"id{i}", f"n{i}", "127.0.0.1", 1, 0) for i in range(2)]
+
+
+class Group:
+    def __init__(self):
+        self.nodes, self.world_size = list(NODES), 2
+        self.crashed, self.notified = [], []
+
+    def crash(self, rank):
+        self.crashed.append(rank)
+
+    def notify(self, nodes, *, save):
+        self.notified.append(tuple(nodes))
+
+    def current_step(self):
+        return None
+
+    def actor_of(self, rank):
+        return f"actor{rank}"
+
+
+class Backend:
+    def __init__(self):
+        self.excluded, self.dead, self.actors, self.tiers = set(), set(), {"id1": "node-actor1"}, {"id1": {}}
+
+
+class Ctl:
+    def __init__(self, clock):
+        self.group = Group()
+        self.state = RunningState(self.group)
+        self.events = EventLog(None, clock=clock)
+        self.step_now = 0
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def killed(monkeypatch):
+    import ray
+
+    out = []
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: out.append(actor))
+    return out
+
+
+def test_at_step_crash_kills_that_rank_once_and_logs_the_failure():
+    clock = Clock()
+    ctl = Ctl(clock)
+    inj = FailureInjector(StepSchedule([AtStep(step=5, kind="crash", rank=1)]), num_nodes=2, backend=Backend(),
+                          clock=clock)
+    ctl.step_now = 4
+    inj.tick(ctl)
+    assert ctl.group.crashed == []
+    ctl.step_now = 6
+    inj.tick(ctl)
+    inj.tick(ctl)
+    assert ctl.group.crashed == [1]
+    (f,) = ctl.events.of("failure")
+    assert f["kind"] == "crash" and f["rank"] == 1 and f["step"] == 6 and f["injected"]
+    assert inj.claim()["t"] == f["t"] and inj.claim() is None
+
+
+def test_preempt_without_callbacks_drains_the_node_and_return_gives_it_back(killed):
+    clock = Clock()
+    ctl, be = Ctl(clock), Backend()
+    inj = FailureInjector(StepSchedule([AtStep(step=2, kind="preempt", node=1),
+                                        AtStep(step=3, kind="return", node=1)]),
+                          num_nodes=2, backend=be, clock=clock)
+    ctl.step_now = 2
+    inj.tick(ctl)
+    assert be.excluded == {"id1"}
+    assert "actor1" in killed and "node-actor1" in killed          # its rank and its node actor
+    assert ctl.events.of("failure")[0]["kind"] == "preempt"
+    ctl.state = RecoveringState()
+    ctl.step_now = 3
+    inj.tick(ctl)                                                    # step events wait for a running group
+    assert be.excluded == {"id1"}
+    ctl.state = RunningState(ctl.group)
+    inj.tick(ctl)
+    assert be.excluded == set() and len(ctl.events.of("node_returned")) == 1
+
+
+def test_preempt_uses_the_callbacks_when_given():
+    clock = Clock()
+    ctl = Ctl(clock)
+    removed, added = [], []
+    inj = FailureInjector(StepSchedule([AtStep(step=1, kind="preempt", node=0), AtStep(step=1, kind="return", node=0)]),
+                          num_nodes=2, backend=Backend(), remove_node=removed.append, add_node=added.append,
+                          clock=clock)
+    ctl.step_now = 1
+    inj.tick(ctl)
+    inj.tick(ctl)
+    assert removed == ["id0"] and added == [0]
+
+
+def test_time_schedule_starts_when_the_group_runs_and_skips_crashes_without_a_group():
+    clock = Clock()
+    ctl = Ctl(clock)
+    ctl.state = RecoveringState()
+    inj = FailureInjector(FixedInterval(10.0, kind="crash", ranks_per_node=1, seed=0), num_nodes=2,
+                          backend=Backend(), clock=clock, horizon_s=35)
+    clock.t = 100.0
+    inj.tick(ctl)                  # not running yet: the clock has not started
+    ctl.state = RunningState(ctl.group)
+    inj.tick(ctl)                  # t0 = 100
+    clock.t = 109.0
+    inj.tick(ctl)
+    assert ctl.group.crashed == []
+    clock.t = 110.5
+    inj.tick(ctl)
+    assert len(ctl.group.crashed) == 1
+    ctl.state = RecoveringState()
+    clock.t = 121.0
+    inj.tick(ctl)
+    assert len(ctl.group.crashed) == 1 and ctl.events.of("injection_skipped")
+
+
+def test_schedule_arguments_are_checked():
+    with pytest.raises(TypeError, match="events"):
+        FailureInjector(object(), num_nodes=1, backend=Backend())
+    with pytest.raises(ValueError, match="rank"):
+        AtStep(step=3, kind="crash")
+    with pytest.raises(ValueError, match="step"):
+        AtStep(step=0, kind="crash", rank=0)
