@@ -18,6 +18,7 @@ default) copies and persists tensors, and no rank issues a collective.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -149,7 +150,14 @@ class Checkpointer:
             elif hasattr(obj, "register_before_next_hook"):
                 self._hooks.append(obj.register_before_next_hook(self._on_boundary))
                 self._fetch_hooked = True
+        self._copies_reported = 0
         self._bind_policy()
+        if self.world_size > 1:
+            from cfdist.checkpoint.sync import attach_sync_hook
+
+            for obj in state.values():   # carry Auto's decisions on DDP's own all-reduce
+                if isinstance(getattr(obj, "_orig_mod", obj), torch.nn.parallel.DistributedDataParallel):
+                    attach_sync_hook(obj, self.policy)
 
     # ---- policy wiring -------------------------------------------------------------------------
     def _bind_policy(self) -> None:
@@ -159,11 +167,13 @@ class Checkpointer:
 
         if not hasattr(pb, "PolicyContext"):
             return
-        nbytes = 0
+        nbytes, layout = 0, []
         for k, obj in self.state.items():
             if self._kinds[k] == st.EARLY:
-                _, ts = flatten(st.capture(obj))
+                _, ts = flatten(st.capture(obj), k)
                 nbytes += sum(t.numel() * t.element_size() for t in ts.values())
+                layout += [(n, str(t.dtype), list(t.shape)) for n, t in ts.items()]
+        signature = hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
         loader = self._loader()
         device = "cuda" if any(isinstance(o, torch.nn.Module) and any(p.is_cuda for p in o.parameters())
                                for o in self.state.values()) else "cpu"
@@ -173,7 +183,7 @@ class Checkpointer:
             batch_size=getattr(loader, "batch_size", None),
             iters_per_epoch=len(loader) if loader is not None and hasattr(loader, "__len__") else None,
             cached_profile=None, failure_times_s=[r["time"] for r in hist.get("restarts", [])],
-            now_s=time.time(),
+            now_s=time.time(), state_signature=signature,
         )
         self._profile_name = f"profile-{pb.profile_key(ctx)}.json"
         cached = self._read_json(self._profile_name)
@@ -190,7 +200,7 @@ class Checkpointer:
     def _save_profile(self) -> None:
         fn = getattr(self.policy, "profile_to_save", None)
         prof = fn() if fn else None
-        if prof is not None and self.writer:
+        if prof is not None and self.writer and getattr(self, "_profile_name", None):
             try:
                 self.storages[0].write_atomic(self._profile_name, json.dumps(prof).encode())
             except OSError as e:
@@ -234,7 +244,6 @@ class Checkpointer:
         update_s = time.perf_counter() - t0
         self._step += 1
         epoch_end = self._epoch_end()
-        snap_s_before = self._snap.last_copy_s
         took = bool(self.policy.should_checkpoint(self._step, epoch_end=epoch_end))
         if took:
             stall += self._begin(epoch_end)
@@ -243,12 +252,16 @@ class Checkpointer:
         self._last_return = now
         self._stats["stall_s"] += stall
         pd, self._persist_done = self._persist_done, None
+        snapshot_s = None
+        if self._snap.copies != self._copies_reported:  # a copy finished since the last report
+            self._copies_reported = self._snap.copies
+            snapshot_s = self._snap.last_copy_s
         self.policy.observe(StepMeasurement(
             step=self._step, iter_s=iter_s, stall_s=stall, update_s=update_s,
-            snapshot_s=self._snap.last_copy_s if self._snap.last_copy_s is not snap_s_before else None,
-            snapshot_device=self._snap.last_device, persist_s=pd[0] if pd else None,
-            persist_bytes=pd[1] if pd else None, checkpointed=took,
+            snapshot_s=snapshot_s, snapshot_device=self._snap.last_device,
+            persist_s=pd[0] if pd else None, persist_bytes=pd[1] if pd else None, checkpointed=took,
         ))
+        self._save_profile()
         return out
 
     def save(self, block: bool = False) -> _Handle:
@@ -292,6 +305,7 @@ class Checkpointer:
             return
         try:
             self.wait()
+            self._save_profile()
         finally:
             self._closed = True
             for h in self._hooks:

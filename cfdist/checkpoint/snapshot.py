@@ -118,6 +118,8 @@ class Snapshotter:
         self._copy: Future | None = None
         self.last_copy_s: float | None = None
         self.last_device: str = "cpu"
+        self.copies = 0
+        """Copies finished and collected so far (each one's duration is ``last_copy_s``)."""
 
     @property
     def nbytes(self) -> int:
@@ -182,6 +184,7 @@ class Snapshotter:
         t0 = time.perf_counter()
         fut, self._copy = self._copy, None
         self.last_copy_s = fut.result()
+        self.copies += 1
         return time.perf_counter() - t0
 
     def stage_to_host(self) -> None:
