@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cfdist.chaos.events import FailureEvent, Schedule, sort_events
+from cfdist.policy import freq
 from cfdist.chaos.metrics import PHASES, FailureRecord, RunMetrics
 
 _TOL = 1e-7  # fraction of an iteration / second treated as "exactly at"
@@ -56,22 +57,18 @@ def _floor(x: float) -> int:
 
 
 def checkfreq_k(*, iter_s: float, stall_s: float, snapshot_s: float, persist_s: float, overhead_budget: float) -> int:
-    """CheckFreq's k: ``max(ceil((Tc+Ts-To)/Ti), ceil(To/(p*Ti)), 1)``.
+    """CheckFreq's k: ``max(ceil((Tc+Ts-To)/Ti), ceil(To/(p*Ti)), 1)`` (cfdist.policy.freq's rule).
 
     The first term lets each checkpoint commit before the next is due; the second (kmin) keeps
     the stall overhead within the budget ``p``. (Tc=snapshot_s, Ts=persist_s, To=stall_s.)
     """
-    k_persist = _ceil((snapshot_s + persist_s - stall_s) / iter_s)
-    k_budget = _ceil(stall_s / (overhead_budget * iter_s))
-    return max(1, k_persist, k_budget)
+    return max(freq.k_persist(Ti=iter_s, Tsnap=snapshot_s, Ts=persist_s, To=stall_s),
+               freq.k_budget(Ti=iter_s, To=stall_s, p=overhead_budget))
 
 
 def expected_waste_fraction(k: int, *, iter_s: float, stall_s: float, mtbf_s: float) -> float:
-    """Young/Daly waste per useful second: stall per iteration + lost work (k/2) per failure.
-
-    ``stall_s / (k*iter_s) + (k*iter_s/2) / mtbf_s``.
-    """
-    return stall_s / (k * iter_s) + (k * iter_s / 2.0) / mtbf_s
+    """Young/Daly waste per useful second: ``stall_s/(k*iter_s) + (k*iter_s/2)/mtbf_s``."""
+    return freq.waste_rate(k=k, Ti=iter_s, To=stall_s, latency_s=0.0, mtbf_s=mtbf_s)
 
 
 def failure_aware_k(
@@ -84,11 +81,8 @@ def failure_aware_k(
     mtbf_s: float,
     k_max: int | None = None,
 ) -> int:
-    """The k >= :func:`checkfreq_k` (the budget's floor) minimising :func:`expected_waste_fraction`.
-
-    The waste is convex in k, so the integer minimiser is next to Young's ``sqrt(2*To*MTBF)/Ti``;
-    ties go to the smaller k. ``k_max`` caps it (needed when ``mtbf_s`` is infinite).
-    """
+    """The k >= :func:`checkfreq_k` (the budget's floor) minimising :func:`expected_waste_fraction`
+    (``cfdist.policy.freq.k_young``); ``k_max`` caps it (needed when ``mtbf_s`` is infinite)."""
     k_lo = checkfreq_k(iter_s=iter_s, stall_s=stall_s, snapshot_s=snapshot_s, persist_s=persist_s,
                        overhead_budget=overhead_budget)
     k_hi = math.inf if k_max is None else max(k_lo, k_max)
@@ -96,9 +90,8 @@ def failure_aware_k(
         if math.isinf(k_hi):
             raise ValueError("with no failures (mtbf_s=inf) the waste falls forever with k; pass k_max")
         return int(k_hi)
-    young = math.sqrt(2.0 * stall_s * mtbf_s) / iter_s
-    cands = {min(k_hi, max(k_lo, c)) for c in (math.floor(young), math.ceil(young))}
-    return int(min(cands, key=lambda k: (expected_waste_fraction(k, iter_s=iter_s, stall_s=stall_s, mtbf_s=mtbf_s), k)))
+    k = freq.k_young(Ti=iter_s, To=stall_s, latency_s=0.0, mtbf_s=mtbf_s, k_lo=k_lo)
+    return int(min(k, k_hi))
 
 
 # ------------------------------------------------------------------------------ config ---
