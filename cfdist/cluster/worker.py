@@ -50,6 +50,10 @@ class RankWorker:
     def join(self, host: str, port: int) -> float:
         """Initialise the default process group (blocks until every rank joined); returns seconds."""
         t0 = time.perf_counter()
+        if host.startswith("127.") and not self.use_gpu:
+            # All ranks on this machine (a local run): keep gloo's pairs on the loopback interface
+            # instead of whatever address the hostname resolves to.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if self._store is None:
             self._store = dist.TCPStore(host, port, self.info.world_size, is_master=False, timeout=self.timeout)
         backend = "nccl" if self.use_gpu else "gloo"
