@@ -101,26 +101,16 @@ class Controller:
 
     # ---- RECOVERING ---------------------------------------------------------------------------
     def _recover(self, st: RecoveringState) -> ControllerState:
-        now = self.clock()
+        """Choose the nodes and the checkpoint, stage it, start the group (or wait / give up)."""
         nodes = self.backend.usable_nodes()
         size = self.scaling.size_for(len(nodes))
         if size.num_nodes is None:
-            if st.since is None:
-                self.decide("wait_for_nodes", size.reason, usable=len(nodes))
-                st.since = now
-            if now - st.since > self.config.wait_for_nodes_s:
-                return FailedState(FitError(
-                    f"only {len(nodes)} usable node(s) for {now - st.since:.0f}s, need min_nodes="
-                    f"{self.config.min_nodes} (each with {self.config.workers_per_node} rank(s)); add "
-                    f"nodes, lower min_nodes, or raise wait_for_nodes_s={self.config.wait_for_nodes_s}"))
-            self.sleep(self.config.poll_s)
-            return st
+            return self._wait_for_nodes(st, size.reason, len(nodes))
         if st.since is not None:
             self.events.emit("nodes_ready", nodes=len(nodes))
         chosen = self._pick_nodes(nodes, size.num_nodes)
         self.decide("group_size", size.reason, nodes=[n.name for n in chosen])
-        holdings = self.backend.holdings()
-        choice = choose_restore(holdings, [n.node_id for n in chosen], peer_copy=self.config.peer_copy)
+        choice = choose_restore(self.backend.holdings(), [n.node_id for n in chosen], peer_copy=self.config.peer_copy)
         self.decide("restore", choice.reason, step=choice.step, tier=choice.tier,
                     sources={n.name: choice.sources.get(n.node_id) for n in chosen})
         t_stage = self.clock()
@@ -134,7 +124,23 @@ class Controller:
                 return FailedState(FitError(f"could not stage step {choice.step} on {[n.name for n in chosen]} "
                                             f"after {st.stage_failures} tries: {e}"))
             return st
-        stage_s = self.clock() - t_stage
+        return self._start(chosen, choice, stage_s=self.clock() - t_stage)
+
+    def _wait_for_nodes(self, st: RecoveringState, reason: str, usable: int) -> ControllerState:
+        now = self.clock()
+        if st.since is None:
+            self.decide("wait_for_nodes", reason, usable=usable)
+            st.since = now
+        if now - st.since > self.config.wait_for_nodes_s:
+            return FailedState(FitError(
+                f"only {usable} usable node(s) for {now - st.since:.0f}s, need min_nodes="
+                f"{self.config.min_nodes} (each with {self.config.workers_per_node} rank(s)); add "
+                f"nodes, lower min_nodes, or raise wait_for_nodes_s={self.config.wait_for_nodes_s}"))
+        self.sleep(self.config.poll_s)
+        return st
+
+    def _start(self, chosen, choice, *, stage_s: float) -> ControllerState:
+        """Start the next attempt's group on ``chosen``, restoring ``choice``."""
         self.attempt += 1
         try:
             group = self.backend.start_group(chosen, choice, self.attempt, self._dead_pids)
@@ -142,6 +148,7 @@ class Controller:
             failure = Failure(kind="error", step=self.step_now, message=f"starting the group failed: {e}",
                               failed_at=self.clock(), detected_at=self.clock())
             return self._tolerate(failure, None)
+        now = self.clock()
         self._dead_pids = []
         self._last_nodes = [n.node_id for n in chosen]
         self._world_sizes.append(group.world_size)
@@ -150,12 +157,11 @@ class Controller:
         self._committed = {k for k in self._committed if k[0] <= self._attempt_base}
         self.step_now = self._attempt_base
         self._attempt_stall = 0.0
-        self._running_since = self.clock()
+        self._running_since = now
         if self._recovery is not None:
-            self._recovery.update(restarted_at=self.clock(), stage_s=stage_s, tier=choice.tier,
-                                  world_size=group.world_size)
-        elif choice.step is not None:
-            self._recovery = {"resume": True, "tier": choice.tier, "restarted_at": self.clock(),
+            self._recovery.update(restarted_at=now, stage_s=stage_s, tier=choice.tier, world_size=group.world_size)
+        elif choice.step is not None:   # a resumed run: log how its restore went
+            self._recovery = {"resume": True, "tier": choice.tier, "restarted_at": now,
                               "detected_at": now, "failed_at": now}
         return RunningState(group)
 
@@ -261,6 +267,7 @@ class Controller:
 
     # ---- failures -----------------------------------------------------------------------------
     def _on_failure(self, st: RunningState, status: GroupStatus) -> ControllerState:
+        """Classify the failure (lost node / crashed process / error), log it, stop the group."""
         detected = self.clock()
         group = st.group
         lost_ids = self.backend.lost_nodes(group.nodes)
@@ -282,7 +289,9 @@ class Controller:
         if claimed is None:
             self.events.emit("failure", t=detected, kind="crash" if kind == "error" else kind, step=step_at,
                              rank=failure.rank, node=node, cause=kind, message=failure.message[:200])
-        self.events.emit("detected", kind=kind, ranks_failed=len(status.errors))
+        # "detected" is when the poll saw the errors; classifying (probing the nodes) is recovery work
+        self.events.emit("detected", t=detected, kind=kind, ranks_failed=len(status.errors),
+                         classify_s=round(self.clock() - detected, 6))
         self._dead_pids = group.pids()
         self._end_attempt(st)
         group.shutdown()

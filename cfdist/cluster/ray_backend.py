@@ -48,6 +48,7 @@ class RayBackend:
         """Node ids whose node actor died: the node is gone even if Ray does not know yet."""
         self.actors: dict[str, object] = {}
         self.tiers: dict[str, dict] = {}
+        self._warming: dict[str, tuple] = {}   # node id -> (actor, ready ref): spares, started ahead
         self.group: RayWorkerGroup | None = None
         self.last_restart_s = 0.0
 
@@ -58,18 +59,29 @@ class RayBackend:
             nodes_mod.check_distinct_storage(self.config, nodes)
         return nodes
 
+    def _spawn(self, n: NodeInfo):
+        actor = _RemoteNode.options(
+            num_cpus=0, max_concurrency=8, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
+        ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name)
+        return actor, actor.ready.remote()
+
+    def prewarm(self, nodes: list[NodeInfo]) -> None:
+        """Start node actors on spare nodes now (non-blocking), so that a recovery onto them
+        does not wait for a process to start."""
+        for n in nodes:
+            if n.node_id not in self.actors and n.node_id not in self._warming:
+                self._warming[n.node_id] = self._spawn(n)
+
     def _ensure_actors(self, nodes: list[NodeInfo]) -> None:
         new = {}
         for n in nodes:
             if n.node_id not in self.actors:
-                new[n.node_id] = _RemoteNode.options(
-                    num_cpus=0, max_concurrency=8, max_restarts=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
-                ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name)
+                new[n.node_id] = self._warming.pop(n.node_id, None) or self._spawn(n)
         lost = []
-        for nid, actor in new.items():
+        for nid, (actor, ready) in new.items():
             try:
-                self.tiers[nid] = ray.get(actor.ready.remote(), timeout=_CALL_S)
+                self.tiers[nid] = ray.get(ready, timeout=_CALL_S)
                 self.actors[nid] = actor
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
                 self.dead.add(nid)
@@ -163,6 +175,11 @@ class RayBackend:
             group.shutdown()
             raise
         self.group = group
+        chosen = {n.node_id for n in nodes}
+        try:
+            self.prewarm([n for n in self.usable_nodes() if n.node_id not in chosen])
+        except Exception as e:  # noqa: BLE001 - an optimisation only
+            log.warning("could not start node actors on spare nodes: %s", e)
         return group
 
     def drain_commits(self) -> list[dict]:
@@ -195,7 +212,7 @@ class RayBackend:
             pids = self.group.pids()
             self.group.shutdown()
         refs = []
-        for a in self.actors.values():
+        for a in [*self.actors.values(), *(w[0] for w in self._warming.values())]:
             try:
                 refs.append(a.close.remote(dead_pids=pids))
             except Exception:  # noqa: BLE001
@@ -204,12 +221,13 @@ class RayBackend:
             ray.wait(refs, num_returns=len(refs), timeout=30)
         except Exception:  # noqa: BLE001
             pass
-        for a in self.actors.values():
+        for a in [*self.actors.values(), *(w[0] for w in self._warming.values())]:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
         self.actors.clear()
+        self._warming.clear()
         root = memory_root(self.run_id)
         if root and os.path.isdir(root):   # fake nodes of this machine that were removed
             shutil.rmtree(root, ignore_errors=True)
