@@ -97,6 +97,10 @@ class TrainContext:
         from cfdist.checkpoint.sync import attach_sync_hook
         from cfdist.cluster.node_actor import ActorBackend
 
+        if self._ckpts:
+            raise RuntimeError("ctx.checkpointer() was already called on this rank: a node has one memory "
+                               "and one local tier per run, so build one Checkpointer with every object "
+                               "to save in its state dict")
         policy = policy if policy is not None else _fresh(self._policy)
         node_tiers = [u for u in (self._tiers.get("memory"), self._tiers.get("local")) if u]
         ck = _FitCheckpointer(
