@@ -83,7 +83,9 @@ def main(argv=None) -> int:
     from cfdist.api import fit
     from cfdist.cluster.injector import AtStep, StepSchedule
 
-    p = argparse.ArgumentParser(prog="cfdist demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="cfdist demo", description="Train a small model with cfdist.fit on a local Ray, kill worker "
+        "processes at fixed steps, and print how the run recovered (about a minute on 2 cores).")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps to train (default 150)")
     p.add_argument("--crash-at", type=int, nargs="*", default=[45, 100],
                    help="steps at which a worker process is killed (default 45 100)")

@@ -55,10 +55,19 @@ def _train(ck, m, opt, steps):
         opt.zero_grad()
 
 
+@pytest.fixture(params=["file", "s3"])
+def shared(request, tmp_path):
+    """The shared tier: a local directory, or a bucket on the local S3 server (moto)."""
+    if request.param == "file":
+        return f"file://{tmp_path}/shared", {}
+    pytest.importorskip("s3fs")
+    return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_storage_options")
+
+
 @pytest.fixture
-def actors(tmp_path):
+def actors(tmp_path, shared):
     run_id = f"unit-{uuid.uuid4().hex[:8]}"
-    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", shared_storage=f"file://{tmp_path}/shared",
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", shared_storage=shared[0], storage_options=shared[1],
                     shared_every=2, run_name="r")
     made = [NodeCheckpointer(config=cfg, run_id=run_id, node_id=n * 20, node_name=n.lower()) for n in "AB"]
     yield made
@@ -68,7 +77,7 @@ def actors(tmp_path):
     assert not os.path.exists(memory_root(run_id)), "memory tier not freed"
 
 
-def test_persist_writes_memory_and_local_then_shared_in_background(actors, tmp_path):
+def test_persist_writes_memory_and_local_then_shared_in_background(actors, shared):
     a, _ = actors
     a.begin_attempt(0, shared_writer=True)
     tiers = a.ready()
@@ -85,10 +94,11 @@ def test_persist_writes_memory_and_local_then_shared_in_background(actors, tmp_p
     evs = a.drain_events()
     assert {(e["step"], e["tier"]) for e in evs} >= {(2, "memory"), (2, "local"), (8, "memory"), (8, "local"), (8, "shared")}
     assert a.drain_events() == []
-    loaded = cfdist.load(tiers["shared"], 8)["state"]["model"]
+    loaded = cfdist.load(tiers["shared"], 8, **shared[1])["state"]["model"]
     assert torch.equal(loaded["weight"], m.weight.detach())
 
 
+@pytest.mark.parametrize("shared", ["file"], indirect=True)
 def test_export_seeds_a_peer_that_restores_the_same_bytes(actors):
     a, b = actors
     a.begin_attempt(0, shared_writer=False)
@@ -112,6 +122,7 @@ def test_export_seeds_a_peer_that_restores_the_same_bytes(actors):
         a.export(5)
 
 
+@pytest.mark.parametrize("shared", ["file"], indirect=True)
 def test_a_replaced_attempt_cannot_persist(actors):
     a, _ = actors
     a.begin_attempt(3, shared_writer=False)
