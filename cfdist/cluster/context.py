@@ -90,11 +90,10 @@ class TrainContext:
 
         Call once per rank, after building the model/optimizer/loader, before training. Local
         rank 0 of each node writes (through the node actor); other ranks only count steps. Its
-        ``restore()`` loads the step the controller chose for every rank of this attempt. A
-        DDP model in ``state`` gets the carrier hook of ``cfdist.Auto`` attached (no-op for
-        fixed policies). Extra keyword arguments go to the Checkpointer (``verify``, ...).
+        ``restore()`` loads the step the controller chose for every rank of this attempt. Call it
+        once per rank (one memory and one local tier per node and run). Extra keyword arguments
+        go to the Checkpointer (``verify``, ...).
         """
-        from cfdist.checkpoint.sync import attach_sync_hook
         from cfdist.cluster.node_actor import ActorBackend
 
         if self._ckpts:
@@ -107,9 +106,6 @@ class TrainContext:
             self, state, node_tiers[0], policy, keep=self._keep, rank=self.rank,
             world_size=self.world_size, writer=self.local_rank == 0,
             backend=ActorBackend(self._node_actor, self.attempt), restore_from=node_tiers[1:], **kwargs)
-        for obj in state.values():
-            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
-                attach_sync_hook(obj, ck.policy)
         self._ckpts.append(ck)
         return ck
 

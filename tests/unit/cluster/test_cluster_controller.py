@@ -14,7 +14,7 @@ from cfdist.cluster.decisions import Holding
 from cfdist.cluster.events import EventLog
 from cfdist.cluster.nodes import NodeInfo
 from cfdist.cluster.result import FitError
-from cfdist.cluster.states import FailedState, FinishedState, GroupStatus, RankError, RecoveringState, RunningState
+from cfdist.cluster.states import FinishedState, GroupStatus, RankError, RecoveringState, RunningState
 
 N = [NodeInfo(f"node{i}" + "x" * 10, f"n{i}", "127.0.0.1", 2, 0) for i in range(3)]
 
