@@ -3,7 +3,9 @@
 Everything users may import is listed in ``__all__``; anything else can change.
 """
 
+from cfdist.api import fit
 from cfdist.checkpoint import CheckpointError, Checkpointer, list_checkpoints, load
+from cfdist.cluster import FitError, FitResult, TrainContext
 from cfdist.data import DALIResumableIterator, ResumableLoader, ResumableSampler
 from cfdist.policy import Auto, Every, EveryEpoch
 
@@ -11,5 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
-    "ResumableLoader", "ResumableSampler", "list_checkpoints", "load", "__version__",
+    "FitError", "FitResult", "ResumableLoader", "ResumableSampler", "TrainContext", "fit",
+    "list_checkpoints", "load", "__version__",
 ]
