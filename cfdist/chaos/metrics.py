@@ -106,8 +106,9 @@ class FailureRecord:
 
     @property
     def lost_iters(self) -> int:
-        """Iterations redone because of this interruption."""
-        return self.step - self.restored_step
+        """Iterations redone because of this interruption (0 when the restored step is newer than
+        the step logged at the failure: the ranks finished a step while the failure was logged)."""
+        return max(0, self.step - self.restored_step)
 
     @property
     def recovery_s(self) -> float:
@@ -209,7 +210,9 @@ def parse_event_log(lines: Iterable[str], *, source: str = "<log>") -> list[dict
         for key in _REQUIRED.get(rec["event"], ()):
             if key not in rec:
                 raise ValueError(f"{where}: a {rec['event']!r} record needs {key!r}: {line.strip()[:80]!r}")
-        if "step" in rec and (not isinstance(rec["step"], int) or isinstance(rec["step"], bool) or rec["step"] < 0):
+        known = rec["event"] in _REQUIRED  # unknown events (decision, notice, ...) are not checked
+        if known and "step" in rec and (not isinstance(rec["step"], int) or isinstance(rec["step"], bool)
+                                        or rec["step"] < 0):
             raise ValueError(f'{where}: "step" must be an int >= 0, got {rec["step"]!r}')
         if rec["event"] == "failure" and rec["kind"] not in ("crash", "preempt"):
             raise ValueError(f"{where}: failure kind must be 'crash' or 'preempt', got {rec['kind']!r}")
@@ -221,6 +224,26 @@ def read_event_log(path: str) -> list[dict]:
     """Records of the JSONL event log at ``path`` (see :func:`parse_event_log`)."""
     with open(path, encoding="utf-8") as f:
         return parse_event_log(f, source=path)
+
+
+def commit_latencies(records: Iterable[dict]) -> list[float]:
+    """Seconds from each step's ``step`` record to its first ``checkpoint_committed``, in log order.
+
+    A step executed again after a restore counts again (measured from its new ``step`` record).
+    Commits of steps without a ``step`` record (e.g. before the log started) are skipped.
+    """
+    step_t: dict[int, float] = {}
+    done: set[tuple[int, float]] = set()
+    out: list[float] = []
+    for r in records:
+        if r.get("event") == "step":
+            step_t[r["step"]] = r["t"]
+        elif r.get("event") == "checkpoint_committed" and r.get("step") in step_t:
+            key = (r["step"], step_t[r["step"]])
+            if key not in done:
+                done.add(key)
+                out.append(max(0.0, r["t"] - key[1]))
+    return out
 
 
 def estimate_iter_s(records: list[dict]) -> float:

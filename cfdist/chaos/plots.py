@@ -33,14 +33,23 @@ def _check(results: Sequence[RunMetrics]) -> None:
         raise ValueError("nothing to plot: pass at least one result")
 
 
-def draw_progress(ax, results: Sequence[RunMetrics]) -> None:
-    """Progress (steps) against wall time, one line per result, failures marked with x."""
+def draw_progress(ax, results: Sequence[RunMetrics], simulated: Sequence[RunMetrics] | None = None) -> None:
+    """Progress (steps) against wall time, one line per result, failures marked with x.
+
+    ``simulated``: one simulated run per result (same order), drawn dashed in its colour.
+    """
     scale, unit = (3600.0, "h") if _hours(results) else (1.0, "s")
-    for r in results:
+    for i, r in enumerate(results):
         xs, ys = [t / scale for t, _ in r.progress], [s for _, s in r.progress]
         (line,) = ax.plot(xs, ys, lw=1.2, label=r.label)
         ax.plot([f.time_s / scale for f in r.failures], [f.step for f in r.failures], "x",
                 color=line.get_color(), ms=4, mew=1)
+        if simulated is not None:
+            sim = simulated[i]
+            ax.plot([t / scale for t, _ in sim.progress], [s for _, s in sim.progress], "--", lw=0.9,
+                    color=line.get_color(), alpha=0.7)
+    if simulated is not None:
+        ax.plot([], [], "--", color="gray", lw=0.9, label="simulated")
     ax.set_xlabel(f"wall time ({unit})")
     ax.set_ylabel("training step")
     ax.set_title("progress (x = failure)")
@@ -48,10 +57,14 @@ def draw_progress(ax, results: Sequence[RunMetrics]) -> None:
     ax.grid(alpha=0.3)
 
 
-def draw_goodput(ax, results: Sequence[RunMetrics]) -> None:
-    """Goodput per result, as bars labelled with their value."""
-    bars = ax.bar(_ticks(results), [r.goodput for r in results], color="#4c72b0")
-    ax.bar_label(bars, fmt="%.2f", fontsize="small")
+def draw_goodput(ax, results: Sequence[RunMetrics], predicted: Sequence[float] | None = None) -> None:
+    """Goodput per result, as bars labelled with their value; ``predicted`` values as diamonds."""
+    bars = ax.bar(_ticks(results), [r.goodput for r in results], color="#4c72b0",
+                  label="measured" if predicted is not None else None)
+    ax.bar_label(bars, fmt="%.2f", fontsize="small", label_type="center", color="white")
+    if predicted is not None:
+        ax.plot(range(len(results)), list(predicted), "D", color="#dd8452", ms=6, label="simulated")
+        ax.legend(fontsize="small", loc="upper right")
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("goodput (vs failure-free)")
     ax.set_title("goodput")
@@ -100,14 +113,14 @@ def _one(draw, results: Sequence[RunMetrics], path: str, size: tuple[float, floa
     return _save(fig, path)
 
 
-def plot_progress(results: Sequence[RunMetrics], path: str) -> str:
-    """PNG of progress vs wall time with failures marked."""
-    return _one(draw_progress, results, path, (7, 4))
+def plot_progress(results: Sequence[RunMetrics], path: str, simulated: Sequence[RunMetrics] | None = None) -> str:
+    """PNG of progress vs wall time with failures marked (``simulated`` runs dashed)."""
+    return _one(lambda ax, rs: draw_progress(ax, rs, simulated), results, path, (7, 4))
 
 
-def plot_goodput(results: Sequence[RunMetrics], path: str) -> str:
-    """PNG of goodput per result (bars)."""
-    return _one(draw_goodput, results, path, (5, 3.5))
+def plot_goodput(results: Sequence[RunMetrics], path: str, predicted: Sequence[float] | None = None) -> str:
+    """PNG of goodput per result (bars; ``predicted`` as diamonds)."""
+    return _one(lambda ax, rs: draw_goodput(ax, rs, predicted), results, path, (5, 3.5))
 
 
 def plot_lost_work(results: Sequence[RunMetrics], path: str) -> str:
@@ -120,12 +133,19 @@ def plot_recovery(results: Sequence[RunMetrics], path: str) -> str:
     return _one(draw_recovery, results, path, (5, 3.5))
 
 
-def plot_summary(results: Sequence[RunMetrics], path: str, *, title: str | None = None, dpi: int = 80) -> str:
-    """One PNG with all four panels (progress, goodput, lost work, recovery)."""
+def plot_summary(results: Sequence[RunMetrics], path: str, *, title: str | None = None, dpi: int = 80,
+                 simulated: Sequence[RunMetrics] | None = None, predicted: Sequence[float] | None = None) -> str:
+    """One PNG with all four panels (progress, goodput, lost work, recovery).
+
+    ``simulated`` (runs, same order) adds dashed progress lines; ``predicted`` (goodputs) diamonds.
+    """
     _check(results)
+    for name, extra in (("simulated", simulated), ("predicted", predicted)):
+        if extra is not None and len(extra) != len(results):
+            raise ValueError(f"{name} has {len(extra)} entries for {len(results)} results; pass one per result")
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=dpi)
-    draw_progress(axes[0][0], results)
-    draw_goodput(axes[0][1], results)
+    draw_progress(axes[0][0], results, simulated)
+    draw_goodput(axes[0][1], results, predicted)
     draw_lost_work(axes[1][0], results)
     draw_recovery(axes[1][1], results)
     if title:

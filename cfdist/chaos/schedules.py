@@ -187,3 +187,35 @@ class FixedInterval(_Arrivals):
         first = self.every_s if self.first_s is None else self.first_s
         for i in itertools.count():
             yield first + i * self.every_s  # multiplied, not summed: no drift
+
+
+@dataclass(frozen=True)
+class Merged:
+    """The union of several schedules' events, e.g. crashes and preemptions at their own rates.
+
+    ``Merged((Exponential(20.0, kind="crash", seed=1), Exponential(20.0, seed=2, notice_s=5.0)))``
+    is one job failing every 10 s on average (two independent Poisson processes add up to one).
+    Events of the same instant keep the parts' order. A part's preemption of a node another part
+    already took down is kept; the injector and the simulator ignore it (the node is down).
+    """
+
+    parts: tuple
+    """The schedules to merge (anything with ``events(num_nodes, horizon_s)``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parts, tuple) or not self.parts:
+            raise ValueError(f"Merged(parts) needs a non-empty tuple of schedules, got {self.parts!r}")
+        bad = [p for p in self.parts if not hasattr(p, "events")]
+        if bad:
+            raise ValueError(f"Merged parts must have events(num_nodes, horizon_s); these do not: {bad!r}")
+
+    @property
+    def mean_gap_s(self) -> float:
+        """Expected seconds between failures of the merged schedule (rates add)."""
+        rate = sum(1.0 / p.mean_gap_s for p in self.parts)
+        return 1.0 / rate if rate > 0 else math.inf
+
+    def events(self, num_nodes: int, horizon_s: float) -> list[FailureEvent]:
+        """All parts' events before ``horizon_s``, sorted by time. Pure."""
+        check_job_args(num_nodes, horizon_s)
+        return sort_events([e for p in self.parts for e in p.events(num_nodes, horizon_s)])

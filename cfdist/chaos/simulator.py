@@ -20,8 +20,10 @@ The model
   kill, only the iterations after it are lost. (It is modelled as one extra commit: its stall and
   its delay of the next regular checkpoint are ignored, an error of at most one checkpoint.)
 - **Recovery**: detect (``detect_s``; 0 when a notice announced it), wait until all ``nodes``
-  slots are up (a fixed-size job pauses; it does not run elastic), restart (``restart_s``),
-  restore (``restore_s``; 0 when there is no checkpoint yet), then redo the lost iterations
+  slots are up (a fixed-size job pauses; it does not run elastic), restart (``restart_s``, or
+  ``preempt_restart_s`` when only preemptions caused it),
+  restore (``restore_s``; ``scratch_restore_s``, default 0, when there is no checkpoint yet),
+  then redo the lost iterations
   (catch-up, at the normal pace with its checkpoints). A failure during detect or wait joins the
   ongoing recovery; one during restart or restore sends it back to detect.
 - **Goodput** = progress at the horizon x ``iter_s`` / horizon: 1 only for a run with neither
@@ -121,11 +123,20 @@ class Costs:
     """Starting the worker group again once its nodes are up."""
     detect_s: float
     """Failure until the controller notices (a preemption notice makes it 0)."""
+    preempt_restart_s: float | None = None
+    """``restart_s`` after losing a node, when it differs (the replacement must first get the
+    checkpoint from a peer or shared storage); None: ``restart_s``."""
+    scratch_restore_s: float | None = None
+    """Restart until training when there is no checkpoint to load (rebuilding the model and
+    the data pipeline still takes time); None: 0."""
 
     def __post_init__(self) -> None:
         _check("Costs", "iter_s", self.iter_s, positive=True, hint=" (seconds per iteration)")
         for name in ("stall_s", "snapshot_s", "persist_s", "restore_s", "restart_s", "detect_s"):
             _check("Costs", name, getattr(self, name), hint=" seconds")
+        for name in ("preempt_restart_s", "scratch_restore_s"):
+            if getattr(self, name) is not None:
+                _check("Costs", name, getattr(self, name), hint=" seconds, or None")
 
     @property
     def commit_s(self) -> float:
@@ -354,9 +365,10 @@ class _Run:
             t = self.phase_end
             if self.phase == "detect":
                 ready = all(self.up)
-                self._to(t, "restart" if ready else "wait", t + self.c.restart_s if ready else math.inf)
+                self._to(t, "restart" if ready else "wait", t + self._restart_s() if ready else math.inf)
             elif self.phase == "restart":
-                self._to(t, "restore", t + (self.c.restore_s if self.restored > 0 else 0.0))
+                scratch = self.c.scratch_restore_s or 0.0
+                self._to(t, "restore", t + (self.c.restore_s if self.restored > 0 else scratch))
             else:
                 self._resume(t)
         self.node_s += sum(self.up) * (until - self.last_t)
@@ -394,7 +406,13 @@ class _Run:
         if hits:
             self._fail(t, hits)
         if self.phase == "wait" and all(self.up):
-            self._to(t, "restart", t + self.c.restart_s)
+            self._to(t, "restart", t + self._restart_s())
+
+    def _restart_s(self) -> float:
+        lost_node = self.open is not None and self.open.kind == "preempt"
+        if lost_node and self.c.preempt_restart_s is not None:
+            return self.c.preempt_restart_s
+        return self.c.restart_s
 
     def _fail(self, t: float, hits: list[FailureEvent]) -> None:
         kind = "crash" if any(e.kind == "crash" for e in hits) else "preempt"
