@@ -7,12 +7,15 @@ of every ``Controller.step``). Time 0 is when the first worker group starts runn
 * ``crash`` (rank r): the rank's actor process is killed (``ray.kill``: the process exits at
   once, like a segfault or an OOM kill). Skipped while no group runs.
 * ``preempt`` (node slot n, ``notice_s``): ``notice_s`` before the kill, the ranks of the
-  group's node n see ``ctx.preempted`` and every node's writer checkpoints at its next step;
-  at the kill the node goes: through ``remove_node(node_id)`` when given (a test removes the
-  fake node from its ``ray.cluster_utils.Cluster``), else its ranks and its node actor are
-  killed and the node is excluded from scheduling (its memory tier is gone, its disk stays).
+  group's node n see ``ctx.preempted``; if an emergency checkpoint fits the time left before
+  the kill (:func:`emergency_checkpoint_fits`, from the commit latencies in the event log),
+  every node's writer checkpoints at its next step. At the kill the node goes: through
+  ``remove_node(node_id)`` when given (a test removes the fake node from its
+  ``ray.cluster_utils.Cluster``), else its ranks and its node actor are killed and the node is
+  excluded from scheduling, i.e. drained (its memory tier is gone, its disk stays). A slot that
+  is already down (preempted, not returned) is not preempted again.
 * ``return`` (node slot n): ``add_node(slot)`` when given (a fresh node joins), else the node
-  excluded for that slot becomes usable again.
+  drained for that slot becomes usable again. Only a slot that a preemption took down returns.
 
 Injected failures are logged as ``failure`` records at the instant they are injected, so the
 controller's detection latency is measured (``detected`` - ``failure``).
@@ -22,11 +25,34 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
+from cfdist.chaos.metrics import commit_latencies
+
 log = logging.getLogger("cfdist.injector")
+
+
+def emergency_checkpoint_fits(window_s: float, latencies_s: Sequence[float]) -> tuple[bool, str]:
+    """``(take, reason)``: whether a checkpoint started now is expected to commit within ``window_s``.
+
+    Pure. ``latencies_s`` are recent checkpoints' step-to-commit seconds, oldest first; the
+    estimate is the median of the last five. With none measured yet the checkpoint is taken (it
+    costs one stall at most; skipping it may cost everything since the last commit).
+    """
+    if not window_s > 0:
+        return False, f"no time left before the kill (window {window_s:.2f}s)"
+    recent = list(latencies_s)[-5:]
+    if not recent:
+        return True, f"window {window_s:.2f}s, no commit latency measured yet: checkpoint now"
+    est = statistics.median(recent)
+    if est <= window_s:
+        return True, f"commit latency ~{est:.3g}s (median of {len(recent)}) fits the {window_s:.2f}s window"
+    return False, (f"commit latency ~{est:.3g}s (median of {len(recent)}) exceeds the {window_s:.2f}s window: "
+                   f"a checkpoint now would not commit before the kill")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +111,7 @@ class FailureInjector:
         self.t0: float | None = None
         self._next = 0
         self._notices: set[int] = set()
-        self._excluded_by_slot: dict[int, str] = {}
+        self._down: dict[int, str] = {}      # node slot -> node id a preemption took (until its return)
         self._unclaimed: list[dict] = []
         self._notice_at = 0.0
         self.executed: list[dict] = []
@@ -107,7 +133,7 @@ class FailureInjector:
             e = self.events[i]
             if e.kind == "preempt" and e.notice_s > 0 and i not in self._notices and now >= e.time_s - e.notice_s:
                 self._notices.add(i)
-                self._notice(controller, e)
+                self._notice(controller, e, window_s=e.time_s - now)
         while self._next < len(self.events) and self.events[self._next].time_s <= now:
             e = self.events[self._next]
             self._next += 1
@@ -127,7 +153,7 @@ class FailureInjector:
         e = self.events[self._next]
         if e.kind == "preempt" and e.notice_s > 0 and self._next not in self._notices:
             self._notices.add(self._next)
-            self._notice(controller, e)
+            self._notice(controller, e, window_s=e.notice_s)
             self._notice_at = self.clock()
             return
         if controller.step_now >= e.step and (e.notice_s <= 0 or self.clock() - self._notice_at >= e.notice_s):
@@ -144,11 +170,13 @@ class FailureInjector:
 
         return controller.state.group if isinstance(controller.state, RunningState) else None
 
-    def _notice(self, controller, e) -> None:
+    def _notice(self, controller, e, *, window_s: float) -> None:
         group = self._group(controller)
-        controller.events.emit("notice", node=e.node, notice_s=e.notice_s)
+        save, reason = emergency_checkpoint_fits(window_s, commit_latencies(list(controller.events.records)))
+        controller.events.emit("notice", node=e.node, notice_s=e.notice_s, window_s=round(window_s, 3),
+                               save=save, reason=reason)
         if group is not None and e.node < len(group.nodes):
-            group.notify([e.node], save=True)
+            group.notify([e.node], save=save)
 
     def _execute(self, controller, e) -> None:
         import ray
@@ -162,28 +190,41 @@ class FailureInjector:
             group.crash(e.rank)
         elif e.kind == "preempt":
             nodes = group.nodes if group is not None else []
+            if e.node in self._down:
+                controller.events.emit("injection_skipped", kind="preempt", node=e.node,
+                                       reason="node slot already down (preempted, not returned yet)")
+                return
             if e.node >= len(nodes):
                 controller.events.emit("injection_skipped", kind="preempt", node=e.node, reason="no such node in the group")
                 return
             node = nodes[e.node]
             self._failed(controller, kind="preempt", node=e.node, notice_s=e.notice_s)
+            self._down[e.node] = node.node_id
             if self.remove_node is not None:
                 self.remove_node(node.node_id)
             else:
                 self.backend.excluded.add(node.node_id)
-                self._excluded_by_slot[e.node] = node.node_id
                 w = group.world_size // len(nodes)
                 for r in range(e.node * w, (e.node + 1) * w):
                     ray.kill(group.actor_of(r), no_restart=True)
-                actor = self.backend.actors.get(node.node_id)
+                # Forget the node actor as well as killing it: the node is drained, not lost,
+                # and gets a fresh actor (empty memory tier) when it returns.
+                actor = self.backend.actors.pop(node.node_id, None)
+                self.backend.tiers.pop(node.node_id, None)
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
         elif e.kind == "return":
+            node_id = self._down.pop(e.node, None)
+            if node_id is None:
+                controller.events.emit("injection_skipped", kind="return", node=e.node,
+                                       reason="slot not down (its preemption was skipped)")
+                return
             controller.events.emit("node_returned", node=e.node)
             if self.add_node is not None:
                 self.add_node(e.node)
-            elif e.node in self._excluded_by_slot:
-                self.backend.excluded.discard(self._excluded_by_slot.pop(e.node))
+            else:
+                self.backend.excluded.discard(node_id)
+                getattr(self.backend, "dead", set()).discard(node_id)
         self.executed.append({"t": self.clock(), "kind": e.kind, "node": e.node, "rank": e.rank})
 
     def _failed(self, controller, **fields) -> None:
