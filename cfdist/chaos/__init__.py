@@ -10,6 +10,10 @@ running ``cfdist.fit`` job lives beside it and is the only part that touches pro
 - :mod:`~cfdist.chaos.simulator`: :func:`simulate` a policy against a schedule.
 - :mod:`~cfdist.chaos.metrics`: the JSONL event-log schema and :func:`metrics_from_log`.
 - :mod:`~cfdist.chaos.plots`: PNG figures (imports matplotlib; not imported here).
+- :mod:`~cfdist.chaos.experiment`: the same job under the same schedule for several policies on
+  Ray, measured and simulated side by side (``cfdist experiment``; imports Ray, not imported
+  here). Its pure parts: :mod:`~cfdist.chaos.calibrate` (costs from event logs, prediction) and
+  :mod:`~cfdist.chaos.report` (results.json, markdown tables, figures).
 
 Example: what the AWS p3 spot trace costs an 8-node job under CheckFreq's k::
 
@@ -27,13 +31,14 @@ from cfdist.chaos.events import FailureEvent, Schedule
 from cfdist.chaos.metrics import (
     FailureRecord,
     RunMetrics,
+    commit_latencies,
     event_log_from_metrics,
     metrics_from_log,
     parse_event_log,
     read_event_log,
 )
 from cfdist.chaos.replay import TraceReplay
-from cfdist.chaos.schedules import Exponential, FixedInterval, Weibull
+from cfdist.chaos.schedules import Exponential, FixedInterval, Merged, Weibull
 from cfdist.chaos.simulator import (
     Auto,
     Costs,
@@ -57,6 +62,7 @@ __all__ = [
     "FailureRecord",
     "FixedInterval",
     "FixedK",
+    "Merged",
     "RunMetrics",
     "Schedule",
     "SimResult",
@@ -64,6 +70,7 @@ __all__ = [
     "Weibull",
     "bundled_trace",
     "compare",
+    "commit_latencies",
     "event_log_from_metrics",
     "metrics_from_log",
     "parse_event_log",

@@ -1,0 +1,195 @@
+"""From real runs' event logs to simulator costs, and the simulator's prediction of each run. Pure.
+
+A preemption experiment (:mod:`cfdist.chaos.experiment`) runs one job per policy under the same
+failure schedule and keeps each run's JSONL event log. This module turns those logs into:
+
+- **the training window** of a run (:func:`training_window`): from the start of its first step
+  to its last step. Start-up (Ray actors, building the model) and tear-down are per-job
+  constants, not what failures cost; leaving them out of both the measurement and the
+  prediction keeps the comparison about failures. The window's offset from the failure
+  injector's time 0 (the first group running) shifts the schedule onto the window;
+- **the costs** the simulator needs (:func:`measure_costs`) from one run or pooled over several:
+  iteration time, stall per checkpoint, commit latency, detect, restart and restore seconds;
+- **the prediction** of each run (:func:`predict`): the simulator replays the same schedule for
+  the same policy (the ``k`` the real policy reported) over the same window. Given the run's
+  own costs, the error measures the simulator's model (which failures hit training or a
+  recovery, what they lose, what checkpoints cost); given the other runs' costs, it also
+  includes how much the machine's speed drifted between runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cfdist.chaos.events import FailureEvent
+from cfdist.chaos.metrics import RunMetrics, commit_latencies, metrics_from_log
+from cfdist.chaos.simulator import Costs, SimPolicy, SimResult, simulate
+
+
+def training_window(records: Sequence[dict]) -> tuple[list[dict], float]:
+    """``(window, offset_s)``: the records from the start of the first step to the last ``step``.
+
+    The first step starts one iteration (the median step gap) before its record. A ``start``
+    record at that instant and an ``end`` record at the last step are added, so
+    :func:`~cfdist.chaos.metrics.metrics_from_log` measures exactly this window. ``offset_s``:
+    seconds from the first ``restarted`` (the injector's time 0) to the window's start; subtract
+    it from the schedule's times. Raises ValueError when the run never trained.
+    """
+    zero = next((i for i, r in enumerate(records) if r["event"] == "restarted"), None)
+    first = next((i for i, r in enumerate(records) if r["event"] == "step"), None)
+    last = max((i for i, r in enumerate(records) if r["event"] == "step"), default=None)
+    if zero is None or first is None or first < zero:
+        raise ValueError("the event log has no 'restarted' record followed by a 'step': the run never trained; "
+                         "check its end record for the error")
+    gaps = step_gaps(records)
+    t0 = max(records[zero]["t"], records[first]["t"] - (statistics.median(gaps) if gaps else 0.0))
+    world = next((r.get("world_size") for r in records if r["event"] == "start"), None)
+    start = {"t": t0, "event": "start", **({"world_size": world} if world else {})}
+    body = [r for r in records[zero:last + 1] if r["event"] not in ("start", "end") and r["t"] >= t0]
+    end = {"t": records[last]["t"], "event": "end", "step": records[last]["step"]}
+    return [start, *body, end], t0 - records[zero]["t"]
+
+
+def step_gaps(records: Sequence[dict]) -> list[float]:
+    """Seconds between consecutive steps (``n`` then ``n+1``) of one attempt (no failure between)."""
+    gaps, prev = [], None
+    for r in records:
+        if r["event"] in ("failure", "restarted"):
+            prev = None
+        elif r["event"] == "step":
+            if prev is not None and r["step"] == prev["step"] + 1:
+                gaps.append(r["t"] - prev["t"])
+            prev = r
+    return gaps
+
+
+def iteration_time(records: Sequence[dict]) -> float:
+    """Median step gap: a checkpoint-free iteration, when most steps do not checkpoint."""
+    gaps = step_gaps(records)
+    if not gaps:
+        raise ValueError("no two consecutive steps in the log: cannot measure the iteration time")
+    return statistics.median(gaps)
+
+
+def reported_k(records: Sequence[dict]) -> int | None:
+    """The ``k`` the policy reported most often over the run's steps (None if it never did)."""
+    ks = Counter(r["k"] for r in records if r["event"] == "step" and isinstance(r.get("k"), int))
+    return ks.most_common(1)[0][0] if ks else None
+
+
+def k_at(records: Sequence[dict], times_s: Sequence[float]) -> list[int | None]:
+    """The ``k`` in force at each of ``times_s`` (seconds from the first record): the last step's."""
+    t0 = records[0]["t"]
+    steps = [(r["t"] - t0, r.get("k")) for r in records if r["event"] == "step"]
+    out = []
+    for t in times_s:
+        before = [k for ts, k in steps if ts <= t + 1e-9]
+        out.append(before[-1] if before and isinstance(before[-1], int) else None)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostSample:
+    """What :func:`measure_costs` pooled, for the report (counts and totals)."""
+
+    gaps: int
+    """Step gaps measured (within attempts)."""
+    checkpoints: int
+    """Commits seen (one per checkpointed step execution)."""
+    excess_s: float
+    """Seconds the step gaps took beyond ``gaps * iter_s``: what checkpointing cost training."""
+    recoveries: int
+    """Clean interruptions (one failure, resumed) whose detect/restart/restore are in the means."""
+
+
+def measure_costs(windows: Sequence[list[dict]], metrics: Sequence[RunMetrics], *,
+                  fallback: Costs | None = None) -> tuple[Costs, CostSample]:
+    """Simulator costs from training windows and their metrics (one run, or pooled over several).
+
+    - ``iter_s``: the median of all step gaps;
+    - ``stall_s`` (To): the gaps' excess over ``iter_s``, per checkpoint (it also carries the
+      contention a persist causes on shared cores, which a stall-only measure would miss);
+    - ``persist_s``: the median step-to-commit latency (``snapshot_s`` is 0; only the sum matters
+      to the simulator);
+    - ``detect_s``, ``restart_s``, ``restore_s``: means over the *clean* interruptions (one
+      failure that resumed). A failure during a recovery stretches that recovery's phases; the
+      simulator replays such overlaps itself, so it needs the phases of an undisturbed recovery.
+      ``restart_s`` is the crashes' and ``preempt_restart_s`` the preemptions' (a lost node's
+      replacement first fetches the checkpoint from a peer); each falls back on the other.
+      ``scratch_restore_s`` is ``restore_s``: the measured phase runs from the group's start to
+      the restored state, and rebuilding the model and data pipeline dominates it (loading a
+      checkpoint of a few MiB takes tens of milliseconds), so a start without checkpoint costs
+      about the same.
+
+    ``fallback`` supplies what these runs could not measure (no checkpoint, no clean recovery).
+    """
+    if not windows:
+        raise ValueError("no runs to measure costs from")
+    gaps = [g for w in windows for g in step_gaps(w)]
+    if not gaps:
+        raise ValueError("no consecutive steps in any run: cannot measure the iteration time")
+    iter_s = statistics.median(gaps)
+    lat = [x for w in windows for x in commit_latencies(w)]
+    excess = sum(gaps) - len(gaps) * iter_s
+    clean = [f for m in metrics for f in m.failures if f.events == 1 and (f.caught_up or f.catchup_s > 0)]
+
+    def pick(values, name):
+        if values:
+            return values
+        return [getattr(fallback, name)] if fallback is not None else [0.0]
+
+    persist = statistics.median(pick(lat, "persist_s"))
+    stall = max(0.0, excess / len(lat)) if lat else (fallback.stall_s if fallback is not None else 0.0)
+    crash = [f.restart_s for f in clean if f.kind == "crash"]
+    preempt = [f.restart_s for f in clean if f.kind == "preempt"]
+    fb_preempt = fallback.preempt_restart_s if fallback is not None else None
+    costs = Costs(iter_s=iter_s, stall_s=stall, snapshot_s=0.0, persist_s=persist,
+                  detect_s=statistics.fmean(pick([f.detect_s for f in clean], "detect_s")),
+                  restart_s=statistics.fmean(crash or pick(preempt, "restart_s")),
+                  preempt_restart_s=statistics.fmean(preempt) if preempt else (fb_preempt if fb_preempt is not None
+                                                                               else statistics.fmean(crash) if crash else None),
+                  restore_s=statistics.fmean(pick([f.restore_s for f in clean], "restore_s")))
+    costs = dataclasses.replace(costs, scratch_restore_s=costs.restore_s)
+    return costs, CostSample(gaps=len(gaps), checkpoints=len(lat), excess_s=excess, recoveries=len(clean))
+
+
+def window_metrics(window: list[dict], *, iter_s: float, label: str) -> RunMetrics:
+    """:class:`RunMetrics` of a training window, goodput measured against ``iter_s``."""
+    return metrics_from_log(window, iter_s=iter_s, label=label)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """The simulator's run of one policy over a real run's window, next to the measurement."""
+
+    sim: SimResult
+    """The simulated run (its ``goodput`` uses the costs' ``iter_s``)."""
+    goodput: float
+    """Predicted goodput against the same yardstick as the measured one."""
+    measured: float
+    """Measured goodput."""
+
+    @property
+    def relative_error(self) -> float:
+        """``predicted / measured - 1`` (+0.10: the simulator is 10% optimistic)."""
+        return self.goodput / self.measured - 1.0 if self.measured > 0 else math.inf
+
+
+def predict(events: Sequence[FailureEvent], policy: SimPolicy, *, costs: Costs, nodes: int,
+            workers_per_node: int, measured: RunMetrics, label: str) -> Prediction:
+    """Simulate ``policy`` under ``events`` over ``measured``'s window; goodput on its yardstick.
+
+    ``events`` are the schedule's (times from the injector's time 0, as in the window).
+    """
+    horizon = measured.wall_s
+    if not horizon > 0:
+        raise ValueError(f"run {measured.label!r} has an empty training window ({horizon}s)")
+    sim = simulate(list(events), policy, costs=costs, nodes=nodes, horizon_s=horizon,
+                   workers_per_node=workers_per_node, label=label)
+    goodput = sim.useful_iters * measured.iter_s / horizon
+    return Prediction(sim=sim, goodput=goodput, measured=measured.goodput)

@@ -1,0 +1,111 @@
+"""A fake multi-node Ray cluster on this machine, for experiments (``ray.cluster_utils.Cluster``).
+
+A head node with no CPUs (the driver lives there; no rank is placed on it) and ``num_nodes``
+worker nodes with ``cpus_per_node`` CPUs each, every one labelled ``cfdist-node=<name>`` so that
+``storage="file://<dir>/{node}"`` gives each node its own "local disk". Names never repeat: a
+node added to replace a removed one starts with an empty disk and an empty memory tier, as a
+fresh VM would.
+
+Ray's sockets and logs go under a short private ``RAY_TMPDIR``, so this cluster never attaches to
+another Ray instance on the machine (nor it to this one); gloo talks over the loopback interface
+(``GLOO_SOCKET_IFNAME=lo``), as every rank is on this machine. Call from the driver process, one thread::
+
+    with LocalCluster(num_nodes=2) as lc:          # ray.init() done, torn down at exit
+        cfdist.fit(..., remove_node=lc.remove_node, add_node=lc.add_node)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+
+_OBJECT_STORE = 80 * 1024 * 1024
+
+
+class LocalCluster:
+    """Start with ``start()`` (or ``with``); ``close()`` stops only this cluster's processes."""
+
+    def __init__(self, *, num_nodes: int = 2, cpus_per_node: int = 1):
+        if not (isinstance(num_nodes, int) and num_nodes >= 1):
+            raise ValueError(f"LocalCluster(num_nodes={num_nodes!r}) needs an int >= 1")
+        if not (isinstance(cpus_per_node, int) and cpus_per_node >= 1):
+            raise ValueError(f"LocalCluster(cpus_per_node={cpus_per_node!r}) needs an int >= 1 (ranks need a CPU)")
+        self.num_nodes = num_nodes
+        self.cpus_per_node = cpus_per_node
+        self.cluster = None
+        self.nodes: dict[str, object] = {}   # node id -> ray._private.node.Node
+        self.names: dict[str, str] = {}      # node id -> cfdist-node label
+        self._counter = itertools.count()
+        self._tmp: str | None = None
+        self._env: dict[str, str | None] = {}
+
+    def start(self) -> "LocalCluster":
+        """Start the head and the worker nodes, then ``ray.init`` this process into the cluster."""
+        import ray
+        from ray.cluster_utils import Cluster
+
+        if ray.is_initialized():
+            raise RuntimeError("ray is already initialised in this process; shut it down (ray.shutdown()) "
+                               "or run the experiment on that cluster instead of a LocalCluster")
+        self._tmp = tempfile.mkdtemp(prefix="cfx-", dir="/tmp")   # short: Unix socket paths are limited
+        for key, value in (("RAY_TMPDIR", self._tmp), ("GLOO_SOCKET_IFNAME", "lo"),
+                           ("RAY_DEDUP_LOGS", "0")):
+            self._env[key] = os.environ.get(key)
+            os.environ[key] = value
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+                num_cpus=0, include_dashboard=False, object_store_memory=_OBJECT_STORE))
+            for _ in range(self.num_nodes):
+                self.add_node()
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def add_node(self, slot: int | None = None) -> str:
+        """Start a worker node with a fresh name (``slot`` is ignored: any slot fits); returns its id."""
+        name = f"n{next(self._counter)}"
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node, labels={"cfdist-node": name},
+                                     object_store_memory=_OBJECT_STORE)
+        self.nodes[node.node_id] = node
+        self.names[node.node_id] = name
+        return node.node_id
+
+    def remove_node(self, node_id: str) -> None:
+        """Kill a worker node's processes (its raylet, workers, actors): a lost machine."""
+        node = self.nodes.pop(node_id, None)
+        if node is None:
+            raise KeyError(f"node {node_id[:8]} is not a live worker node of this LocalCluster "
+                           f"(live: {[n[:8] for n in self.nodes]})")
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def close(self) -> None:
+        """``ray.shutdown()``, stop every node of this cluster, remove its temp dir. Safe twice."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
+        for key, value in self._env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._env = {}
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,220 @@
+"""What a preemption experiment found, and how it is written: results.json, results.md, PNGs.
+
+:class:`ExperimentResult` holds, per policy, the measured run (:class:`PolicyRun`) and the
+simulator's prediction of it; :func:`write_report` writes the three kinds of output. Pure apart
+from the files it writes (matplotlib is imported only to draw).
+
+The markdown has the shape of CheckFreq's (FAST'21) tables at small scale: one end-to-end table
+(goodput measured and simulated, lost work per failure) and one recovery-time table that splits
+each failure's recovery into detect, wait, restart, restore and catch-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cfdist.chaos.calibrate import CostSample, Prediction
+from cfdist.chaos.metrics import PHASES, RunMetrics
+from cfdist.chaos.simulator import Costs
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyRun:
+    """One policy's real run, measured over its training window, and its prediction."""
+
+    policy: str
+    """The policy as given in the config (``"epoch"``, ``"every:10"``, ``"auto"``, ``"auto-mtbf"``)."""
+    k: int | None
+    """Checkpoint interval the policy reported most often (epoch: steps per epoch)."""
+    measured: RunMetrics
+    """Goodput, failures, lost work and recovery phases from the event log."""
+    k_at_failures: tuple[int | None, ...]
+    """``k`` in force when each interruption hit (None while ``Auto`` was still profiling)."""
+    prediction: Prediction
+    """The simulator's run of the same policy, schedule and window, given this run's own costs."""
+    cross_prediction: Prediction
+    """The same, given the costs of the *other* policies' runs (a prediction for an unseen run)."""
+    costs: Costs
+    """This run's own costs (what ``prediction`` was given)."""
+    sim_policy: str
+    """What the simulator ran (``FixedK(k=12)``, ``EpochBoundary(...)``)."""
+    event_log: str
+    """Path of the run's JSONL event log."""
+    fit_wall_s: float
+    """Wall seconds of the whole ``cfdist.fit`` call (start-up and tear-down included)."""
+    final_step: int
+    """Steps of the final state (the run's target)."""
+
+    @property
+    def label(self) -> str:
+        return self.measured.label
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentResult:
+    """Everything :func:`cfdist.chaos.experiment.run_experiment` measured and predicted."""
+
+    config: dict
+    """The experiment's config, as a dict."""
+    iter_s: float
+    """Goodput's yardstick: seconds per iteration of the failure-free run (or of the runs' median)."""
+    baseline: RunMetrics | None
+    """The failure-free run (None when skipped)."""
+    costs: Costs
+    """The costs measured over all runs pooled (each run's own are in its :class:`PolicyRun`)."""
+    cost_sample: CostSample
+    """How much data ``costs`` came from."""
+    runs: tuple[PolicyRun, ...]
+    """One per policy, in the config's order."""
+    schedule: tuple[dict, ...]
+    """The failure events (seconds from the first group's start)."""
+    files: dict = dataclasses.field(default_factory=dict)
+    """Paths written by :func:`write_report` (name -> path)."""
+
+    @property
+    def max_abs_error(self) -> float:
+        """Largest ``|predicted/measured - 1|`` over the policies (own costs)."""
+        return max((abs(r.prediction.relative_error) for r in self.runs), default=0.0)
+
+    @property
+    def max_abs_cross_error(self) -> float:
+        """Largest ``|predicted/measured - 1|`` over the policies (the other runs' costs)."""
+        return max((abs(r.cross_prediction.relative_error) for r in self.runs), default=0.0)
+
+    def run(self, policy: str) -> PolicyRun:
+        """The run of ``policy`` (as spelled in the config)."""
+        for r in self.runs:
+            if r.policy == policy:
+                return r
+        raise KeyError(f"no run of policy {policy!r}; ran {[r.policy for r in self.runs]}")
+
+
+def _round(x, nd: int = 4):
+    return round(x, nd) if isinstance(x, float) and math.isfinite(x) else x
+
+
+def _failure_dict(f, k) -> dict:
+    return {"time_s": _round(f.time_s, 3), "kind": f.kind, "step": f.step, "restored_step": f.restored_step,
+            "lost_iters": f.lost_iters, "k": k, "events": f.events, "caught_up": f.caught_up,
+            **{f"{p}_s": _round(f.phase_s(p), 3) for p in PHASES}, "recovery_s": _round(f.recovery_s, 3)}
+
+
+def run_dict(r: PolicyRun) -> dict:
+    """A JSON-able summary of one policy's run."""
+    m, p, x = r.measured, r.prediction, r.cross_prediction
+    return {
+        "policy": r.policy, "label": r.label, "k": r.k, "final_step": r.final_step,
+        "window_s": _round(m.wall_s, 3), "fit_wall_s": _round(r.fit_wall_s, 3),
+        "goodput": _round(m.goodput), "predicted_goodput": _round(p.goodput), "relative_error": _round(p.relative_error),
+        "cross_predicted_goodput": _round(x.goodput), "cross_relative_error": _round(x.relative_error),
+        "costs": {k: _round(v, 5) for k, v in dataclasses.asdict(r.costs).items()},
+        "failures": len(m.failures), "lost_iters_mean": _round(m.lost_iters_mean, 2), "lost_iters_max": m.lost_iters_max,
+        "recovery_s_mean": _round(m.recovery_s_mean, 3),
+        "phase_means_s": {k: _round(v, 3) for k, v in m.phase_means().items()},
+        "wasted_worker_s": _round(m.wasted_worker_s, 2),
+        "per_failure": [_failure_dict(f, k) for f, k in zip(m.failures, r.k_at_failures)],
+        "simulated": {"policy": r.sim_policy, "k": p.sim.k, "useful_iters": p.sim.useful_iters,
+                      "failures": p.sim.num_failures, "lost_iters_mean": _round(p.sim.lost_iters_mean, 2),
+                      "recovery_s_mean": _round(p.sim.recovery_s_mean, 3)},
+        "event_log": r.event_log,
+    }
+
+
+def results_dict(res: ExperimentResult) -> dict:
+    """The whole experiment as a JSON-able dict (what results.json holds)."""
+    return {
+        "config": res.config,
+        "iter_s": _round(res.iter_s, 5),
+        "baseline": None if res.baseline is None else {
+            "label": res.baseline.label, "steps": res.baseline.useful_iters, "window_s": _round(res.baseline.wall_s, 3),
+            "goodput": _round(res.baseline.goodput)},
+        "costs": {k: _round(v, 5) for k, v in dataclasses.asdict(res.costs).items()},
+        "cost_sample": dataclasses.asdict(res.cost_sample),
+        "schedule": list(res.schedule),
+        "runs": [run_dict(r) for r in res.runs],
+        "max_abs_relative_error": _round(res.max_abs_error),
+        "max_abs_cross_relative_error": _round(res.max_abs_cross_error),
+    }
+
+
+def _fmt_k(k) -> str:
+    return "-" if k is None else str(k)
+
+
+def markdown(res: ExperimentResult) -> str:
+    """Two markdown tables (end to end; recovery time per failure) and the costs they rest on."""
+    c = res.costs
+    lines = [
+        "End to end (goodput = useful iterations x failure-free iteration time / wall time of the training window):",
+        "",
+        "| policy | k | failures | goodput measured | simulated (own costs) | simulated (other runs' costs) "
+        "| lost it./failure mean (max) | wasted worker-s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res.runs:
+        m, p, x = r.measured, r.prediction, r.cross_prediction
+        lines.append(f"| {r.policy} | {_fmt_k(r.k)} | {m.num_failures} | {m.goodput:.2f} | "
+                     f"{p.goodput:.2f} ({p.relative_error:+.0%}) | {x.goodput:.2f} ({x.relative_error:+.0%}) | "
+                     f"{m.lost_iters_mean:.1f} ({m.lost_iters_max}) | {m.wasted_worker_s:.1f} |")
+    lines += [
+        "",
+        "Recovery time per failure, mean seconds (CheckFreq's recovery-time table at small scale):",
+        "",
+        "| policy | detect | wait | restart | restore | catch-up | total |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res.runs:
+        ph = r.measured.phase_means()
+        lines.append(f"| {r.policy} | " + " | ".join(f"{ph[p]:.2f}" for p in PHASES)
+                     + f" | {r.measured.recovery_s_mean:.2f} |")
+    s = res.cost_sample
+    lines += [
+        "",
+        f"Costs over all runs ({s.gaps} step gaps, {s.checkpoints} checkpoints, {s.recoveries} clean "
+        f"recoveries): iteration {c.iter_s * 1e3:.1f} ms, stall/checkpoint {c.stall_s * 1e3:.1f} ms, "
+        f"commit latency {c.commit_s * 1e3:.0f} ms, detect {c.detect_s:.2f} s, restart {c.restart_s:.2f} s "
+        f"after a crash, {c.preempt_restart_s or c.restart_s:.2f} s after a preemption, restore "
+        f"{c.restore_s:.2f} s; each run's own are in results.json. Largest |simulated/measured - 1|: "
+        f"{res.max_abs_error:.0%} with each run's own costs, {res.max_abs_cross_error:.0%} with the other runs'.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(res: ExperimentResult, out_dir: str, *, title: str = "") -> dict[str, str]:
+    """Write results.json, results.md and the PNGs into ``out_dir``; returns ``{name: path}``."""
+    from cfdist.chaos import plots
+
+    os.makedirs(out_dir, exist_ok=True)
+    files = {name: os.path.join(out_dir, name) for name in (
+        "results.json", "results.md", "summary.png", "progress.png", "goodput.png", "lost_work.png", "recovery.png")}
+    measured = [r.measured for r in res.runs]
+    simulated = [r.prediction.sim for r in res.runs]
+    predicted = [r.prediction.goodput for r in res.runs]
+    plots.plot_summary(measured, files["summary.png"], title=title or None, simulated=simulated, predicted=predicted)
+    plots.plot_progress(measured, files["progress.png"], simulated=simulated)
+    plots.plot_goodput(measured, files["goodput.png"], predicted=predicted)
+    plots.plot_lost_work(measured, files["lost_work.png"])
+    plots.plot_recovery(measured, files["recovery.png"])
+    with open(files["results.md"], "w", encoding="utf-8") as f:
+        f.write(markdown(res))
+    data = results_dict(res)
+    data["files"] = files
+    with open(files["results.json"], "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    return files
+
+
+def summary_lines(runs: Sequence[PolicyRun]) -> list[str]:
+    """One line per run for the console (policy, goodput measured/simulated, failures, lost work)."""
+    out = []
+    for r in runs:
+        m, p, x = r.measured, r.prediction, r.cross_prediction
+        out.append(f"{r.label:<22} goodput {m.goodput:.2f} (sim {p.goodput:.2f} {p.relative_error:+.0%}, "
+                   f"from other runs {x.goodput:.2f} {x.relative_error:+.0%})  "
+                   f"failures {m.num_failures}  lost it. {m.lost_iters}  recovery {m.recovery_s_mean:.1f}s")
+    return out

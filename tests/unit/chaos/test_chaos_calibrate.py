@@ -1,0 +1,157 @@
+"""From event logs to simulator costs and predictions (pure): windows, gaps, k, costs, prediction.
+
+The logs are written here the way the driver writes them (one ``step`` record per step, commits,
+failure marks), with round numbers, so every expected value can be worked out by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cfdist.chaos import Costs, FailureEvent, FixedK, Merged, commit_latencies, parse_event_log
+from cfdist.chaos.calibrate import (
+    iteration_time, k_at, measure_costs, predict, reported_k, step_gaps, training_window, window_metrics,
+)
+from cfdist.chaos.schedules import Exponential, FixedInterval
+from cfdist.chaos.simulator import simulate
+from chaos_eventlog import started as _started
+
+
+def test_training_window_starts_with_the_first_step_and_ends_with_the_last():
+    log = _started(setup=1.0).run(20)
+    log.at(0.3, "end", step=20)
+    window, offset = training_window(parse_event_log(__import__("json").dumps(r) for r in log.recs))
+    assert window[0]["event"] == "start" and window[-1] == {"t": window[-1]["t"], "event": "end", "step": 20}
+    assert window[-1]["t"] == pytest.approx(0.5 + 1.0 + 19 * 0.1)   # last step, not the end record
+    assert offset == pytest.approx(1.0 - 0.1)   # the first step began one iteration before its record
+    m = window_metrics(window, iter_s=0.1, label="x")
+    assert m.useful_iters == 20 and m.wall_s == pytest.approx(2.0) and m.goodput == pytest.approx(1.0)
+
+
+def test_a_run_that_never_trained_has_no_window():
+    with pytest.raises(ValueError, match="never trained"):
+        training_window([{"t": 0.0, "event": "start"}, {"t": 1.0, "event": "end", "step": 0}])
+
+
+def test_step_gaps_skip_the_recovery_and_iteration_time_is_their_median():
+    log = _started().run(12, extra_s=0.03).fail().run(6)
+    gaps = step_gaps(log.recs)
+    assert len(gaps) == 11 + 5   # no gap across the failure, nor from the restore to its first step
+    assert iteration_time(log.recs) == pytest.approx(0.1)
+    assert max(gaps) == pytest.approx(0.13)
+
+
+def test_commit_latencies_count_each_execution_of_a_step():
+    recs = [{"t": 1.0, "event": "step", "step": 5}, {"t": 1.2, "event": "checkpoint_committed", "step": 5},
+            {"t": 1.3, "event": "checkpoint_committed", "step": 5},   # a second tier: same commit
+            {"t": 3.0, "event": "step", "step": 5},                   # redone after a restore
+            {"t": 3.5, "event": "checkpoint_committed", "step": 5},
+            {"t": 4.0, "event": "checkpoint_committed", "step": 9}]   # no step record: skipped
+    assert commit_latencies(recs) == pytest.approx([0.2, 0.5])
+
+
+def test_reported_k_is_the_most_frequent_and_k_at_reads_the_last_step_before():
+    recs = [{"t": 0.0, "event": "start"}] + [
+        {"t": 0.1 * i, "event": "step", "step": i, "k": k} for i, k in enumerate([None] * 3 + [8] * 10 + [12] * 4, 1)]
+    assert reported_k(recs) == 8
+    assert k_at(recs, [0.25, 0.55, 1.65, 99.0]) == [None, 8, 12, 12]
+    assert reported_k([{"t": 0.0, "event": "step", "step": 1}]) is None
+
+
+def test_costs_from_one_run():
+    log = _started().run(20, extra_s=0.02).fail(detect=0.1, restart=2.0, restore=1.0).run(10, extra_s=0.02)
+    log.fail("preempt", detect=0.1, restart=3.0, restore=1.0).run(5)
+    window, _ = training_window(log.recs)
+    m = window_metrics(window, iter_s=0.1, label="x")
+    costs, sample = measure_costs([window], [m])
+    assert costs.iter_s == pytest.approx(0.1)
+    assert costs.persist_s == pytest.approx(0.05) and costs.snapshot_s == 0.0
+    # step 35's commit comes after the last step, outside the window
+    assert sample.checkpoints == 6 and sample.recoveries == 2
+    # 0.02 s extra after checkpoints 5, 10, 15 and 25 (the first step after a restart is no gap)
+    assert sample.excess_s == pytest.approx(0.08) and costs.stall_s == pytest.approx(0.08 / 6)
+    assert costs.detect_s == pytest.approx(0.1)
+    assert (costs.restart_s, costs.preempt_restart_s, costs.restore_s) == pytest.approx((2.0, 3.0, 1.0))
+    assert costs.scratch_restore_s == costs.restore_s
+
+
+def test_a_failure_during_a_recovery_is_left_out_of_the_phase_means_and_fallbacks_fill_gaps():
+    log = _started().run(10)
+    log.at(0.01, "failure", kind="crash", step=10)
+    log.at(0.1, "detected")
+    log.at(0.5, "failure", kind="crash", step=10)   # during the restart: one interruption, 2 events
+    log.at(0.1, "detected")
+    log.at(2.0, "restarted")
+    log.at(1.0, "restored", step=10, tier="memory")
+    log.step = 10
+    log.run(3)
+    window, _ = training_window(log.recs)
+    m = window_metrics(window, iter_s=0.1, label="x")
+    assert [f.events for f in m.failures] == [2]
+    fallback = Costs(iter_s=9.0, stall_s=0.5, persist_s=0.7, restore_s=4.0, restart_s=5.0, detect_s=6.0,
+                     preempt_restart_s=7.0)
+    costs, sample = measure_costs([window], [m], fallback=fallback)
+    assert sample.recoveries == 0
+    assert (costs.detect_s, costs.restart_s, costs.preempt_restart_s, costs.restore_s) == (6.0, 5.0, 7.0, 4.0)
+    assert costs.iter_s == pytest.approx(0.1) and costs.persist_s == pytest.approx(0.05)
+
+
+def test_prediction_replays_the_schedule_over_the_window_on_the_measured_yardstick():
+    costs = Costs(iter_s=0.1, stall_s=0.0, persist_s=0.05, restore_s=1.0, restart_s=2.0, detect_s=0.1)
+    events = [FailureEvent(time_s=3.0, kind="crash", rank=0, node=0)]
+    truth = simulate(events, FixedK(k=5), costs=costs, nodes=2, horizon_s=10.0)
+    measured = window_metrics([{"t": 0.0, "event": "start"}, {"t": 10.0, "event": "step", "step": truth.useful_iters},
+                               {"t": 10.0, "event": "end", "step": truth.useful_iters}], iter_s=0.08, label="m")
+    p = predict(events, FixedK(k=5), costs=costs, nodes=2, workers_per_node=1, measured=measured, label="m")
+    assert p.sim.useful_iters == truth.useful_iters and p.sim.num_failures == 1
+    assert p.goodput == pytest.approx(measured.goodput) and p.relative_error == pytest.approx(0.0)
+    slow = dataclass_replace(costs, restart_s=4.0)
+    q = predict(events, FixedK(k=5), costs=slow, nodes=2, workers_per_node=1, measured=measured, label="m")
+    assert q.relative_error == pytest.approx(-20 / truth.useful_iters, abs=1e-9)   # 2 s more restart: 20 steps
+
+
+def dataclass_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def test_preempt_and_scratch_costs_change_the_simulated_recovery():
+    base = Costs(iter_s=1.0, stall_s=0.0, persist_s=0.0, restore_s=2.0, restart_s=3.0, detect_s=0.0)
+    crash = [FailureEvent(time_s=2.5, kind="crash", rank=0, node=0)]
+    preempt = [FailureEvent(time_s=12.5, kind="preempt", node=0), FailureEvent(time_s=12.5, kind="return", node=0)]
+    plain = simulate(crash + preempt, FixedK(k=5), costs=base, nodes=1, horizon_s=40.0)
+    split = simulate(crash + preempt, FixedK(k=5), costs=dataclass_replace(base, preempt_restart_s=7.0,
+                                                                           scratch_restore_s=1.5),
+                     nodes=1, horizon_s=40.0)
+    f0, f1 = plain.failures
+    g0, g1 = split.failures
+    assert (f0.restored_step, f0.restore_s, g0.restore_s) == (0, 0.0, 1.5)   # nothing to load, still a setup
+    assert (f1.restart_s, g1.restart_s) == (3.0, 7.0)
+    # plain resumes from scratch at 5.5 s and is at step 7 when preempted (2 lost); split resumes
+    # at 7.0 s and is at step 5 (none lost): the setup cost nothing in the end, the restart 4 steps
+    assert (f1.step, g1.step, f1.restored_step, g1.restored_step) == (7, 5, 5, 5)
+    assert split.useful_iters == plain.useful_iters - 4
+
+
+def test_merged_schedules_add_their_rates_and_keep_every_event():
+    a = Exponential(20.0, kind="crash", seed=1)
+    b = FixedInterval(15.0, seed=2, notice_s=1.0)
+    m = Merged((a, b))
+    assert m.mean_gap_s == pytest.approx(1 / (1 / 20 + 1 / 15))
+    evs = m.events(2, 200.0)
+    assert evs == sorted(a.events(2, 200.0) + b.events(2, 200.0), key=lambda e: e.time_s)
+    assert m.events(2, 200.0) == evs
+    with pytest.raises(ValueError, match="non-empty tuple"):
+        Merged(())
+    with pytest.raises(ValueError, match="events"):
+        Merged((a, "not a schedule"))
+
+
+def test_records_of_unknown_events_pass_unchecked_but_known_ones_are_checked():
+    import json
+
+    ok = parse_event_log([json.dumps({"t": 1.0, "event": "decision", "what": "restore", "step": None})])
+    assert ok[0]["step"] is None   # the controller's decisions carry step=None before any checkpoint
+    with pytest.raises(ValueError, match="int >= 0"):
+        parse_event_log([json.dumps({"t": 1.0, "event": "restored", "step": None, "tier": "none"})])

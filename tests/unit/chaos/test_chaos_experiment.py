@@ -1,0 +1,141 @@
+"""The experiment's pure parts: config checks, schedule and policy mapping, analysis and report.
+
+No Ray here: ``analyse`` and ``write_report`` get event logs written by hand (the driver's
+format), so the numbers in results.json and the tables can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from chaos_eventlog import started
+
+from cfdist.chaos.experiment import (
+    ExperimentConfig, FirstFailures, analyse, build_schedule, make_policy, main, sim_policy,
+)
+from cfdist.chaos.report import markdown, write_report
+from cfdist.chaos.simulator import EpochBoundary, FixedK
+
+
+@pytest.mark.parametrize("kw, phrase", [
+    (dict(policies=("auto", "sometimes")), "'sometimes' is not a policy"),
+    (dict(policies=("auto", "auto")), "lists a policy twice"),
+    (dict(policies=()), "non-empty tuple"),
+    (dict(policies=["auto"]), "non-empty tuple"),
+    (dict(steps=50, epoch_steps=100), "less than one epoch"),
+    (dict(mtbf_s=0), "mtbf_s must be a finite number > 0"),
+    (dict(schedule="weekly"), "schedule must be one of"),
+    (dict(node_loss="remove", ray_address="ray://head:10001"), "use node_loss='drain'"),
+    (dict(overhead_budget=3.5), "fraction in (0, 1)"),
+    (dict(max_scheduled=0), "max_scheduled must be an int >= 1"),
+    (dict(baseline_steps=1), "baseline_steps must be an int >= 3"),
+    (dict(num_nodes=0), "num_nodes must be an int >= 1"),
+])
+def test_config_refuses_what_cannot_run_and_says_why(kw, phrase):
+    with pytest.raises(ValueError, match=None) as e:
+        ExperimentConfig(**kw)
+    assert phrase in str(e.value)
+
+
+def test_mixed_fixed_schedule_alternates_crash_and_preemption_and_can_be_capped():
+    c = ExperimentConfig(mtbf_s=5.0, notice_s=0.5, failures="mixed", schedule="fixed")
+    evs = [e for e in build_schedule(c).events(2, 26.0)]
+    fails = [(e.time_s, e.kind) for e in evs if e.is_failure]
+    assert fails == [(5.0, "crash"), (10.0, "preempt"), (15.0, "crash"), (20.0, "preempt"), (25.0, "crash")]
+    assert all(e.notice_s == 0.5 for e in evs if e.kind == "preempt")
+    capped = build_schedule(ExperimentConfig(mtbf_s=5.0, schedule="fixed", max_scheduled=2)).events(2, 100.0)
+    assert [(e.time_s, e.kind) for e in capped] == [(5.0, "crash"), (10.0, "preempt"), (10.0, "return")]
+
+
+def test_first_failures_drops_the_return_of_a_dropped_preemption():
+    class S:
+        def events(self, n, h):
+            from cfdist.chaos import FailureEvent as E
+            return [E(time_s=1.0, kind="preempt", node=0), E(time_s=2.0, kind="preempt", node=1),
+                    E(time_s=3.0, kind="return", node=1), E(time_s=4.0, kind="return", node=0)]
+
+    assert [(e.time_s, e.kind) for e in FirstFailures(S(), 1).events(2, 10.0)] == [(1.0, "preempt"), (4.0, "return")]
+
+
+def test_policy_specs_map_to_the_real_and_the_simulated_policy():
+    import cfdist
+
+    c = ExperimentConfig(mtbf_s=12.0, overhead_budget=0.05, epoch_steps=100)
+    assert isinstance(make_policy("epoch", c), cfdist.EveryEpoch)
+    assert make_policy("every:7", c).k == 7
+    auto, aware = make_policy("auto", c), make_policy("auto-mtbf", c)
+    assert (auto.config.max_overhead, auto.config.mtbf_s) == (0.05, None)
+    assert aware.config.mtbf_s == 12.0 and make_policy("auto-mtbf:30", c).config.mtbf_s == 30.0
+    assert sim_policy("epoch", c, None) == EpochBoundary(iters_per_epoch=100)
+    assert sim_policy("every:7", c, 7) == FixedK(k=7)
+    assert sim_policy("auto", c, 13) == FixedK(k=13)
+    with pytest.raises(ValueError, match="never reported its k"):
+        sim_policy("auto-mtbf", c, None)
+
+
+def _logs():
+    """A baseline and two policies' runs under one crash at 1.5 s after the first step."""
+    base = started().run(30)
+    every = started(k=5).run(12).fail(restart=2.0, restore=1.0).run(20)
+    auto = started(k=4, kval=4).run(13).fail(restart=2.0, restore=1.0).run(18)
+    out = {}
+    for name, log in (("baseline", base), ("every:5", every), ("auto", auto)):
+        log.at(0.2, "end", step=30)
+        out[name] = (log.recs, types.SimpleNamespace(event_log=f"/logs/{name}.jsonl", final_step=30), 9.0)
+    return out
+
+
+def test_analysis_measures_each_run_and_predicts_it_from_its_own_and_the_others_costs(tmp_path):
+    c = ExperimentConfig(policies=("every:5", "auto"), steps=30, epoch_steps=10, mtbf_s=1.0, failures="crash",
+                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path))
+    res = analyse(c, build_schedule(c), _logs(), str(tmp_path))
+    assert res.iter_s == pytest.approx(0.1) and res.baseline.goodput == pytest.approx(1.0)
+    every, auto = res.run("every:5"), res.run("auto")
+    assert (every.k, auto.k) == (5, 4) and auto.k_at_failures == (4,) and every.k_at_failures == (5,)
+    for r, lost in ((every, 2), (auto, 1)):
+        (f,) = r.measured.failures
+        assert (f.kind, f.lost_iters) == ("crash", lost)
+        assert r.measured.useful_iters == 30
+        assert (r.costs.restart_s, r.costs.restore_s) == pytest.approx((2.0, 1.0))
+        assert r.prediction.sim.num_failures == 1
+        # the hand-written runs follow the simulator's model: its prediction is close
+        assert abs(r.prediction.relative_error) < 0.05, r.prediction
+    assert every.sim_policy == "FixedK(k=5)" and auto.sim_policy == "FixedK(k=4)"
+    with pytest.raises(KeyError, match="ran"):
+        res.run("epoch")
+
+
+def test_report_writes_json_tables_and_figures(tmp_path):
+    c = ExperimentConfig(policies=("every:5", "auto"), steps=30, epoch_steps=10, mtbf_s=1.0, failures="crash",
+                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path))
+    res = analyse(c, build_schedule(c), _logs(), str(tmp_path))
+    files = write_report(res, str(tmp_path), title="t")
+    data = json.load(open(files["results.json"]))
+    assert [r["policy"] for r in data["runs"]] == ["every:5", "auto"]
+    run = data["runs"][1]
+    assert run["per_failure"][0]["k"] == 4 and run["per_failure"][0]["lost_iters"] == 1
+    assert set(run["phase_means_s"]) == {"detect", "wait", "restart", "restore", "catchup"}
+    assert data["schedule"] == [{"time_s": 1.0, "kind": "crash", "node": 1, "rank": 1, "notice_s": 0.0}]
+    md = open(files["results.md"]).read()
+    assert md == markdown(res)
+    assert "| auto | 4 | 1 |" in md and "| every:5 | 5 | 1 |" in md and "| policy | detect | wait |" in md
+    for name in ("summary.png", "progress.png", "goodput.png", "lost_work.png", "recovery.png"):
+        assert open(files[name], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_a_bad_config_with_the_reason(capsys):
+    assert main(["--policies", "auto", "never", "--out", "/nonexistent/x"]) == 2
+    assert "'never' is not a policy" in capsys.readouterr().err
+
+
+def test_summary_overlays_need_one_entry_per_result(tmp_path):
+    from cfdist.chaos.plots import plot_summary
+
+    c = ExperimentConfig(policies=("every:5", "auto"), steps=30, epoch_steps=10, mtbf_s=1.0, failures="crash",
+                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path))
+    res = analyse(c, build_schedule(c), _logs(), str(tmp_path))
+    measured = [r.measured for r in res.runs]
+    with pytest.raises(ValueError, match="predicted has 1 entries for 2 results"):
+        plot_summary(measured, str(tmp_path / "s.png"), predicted=[0.5])
