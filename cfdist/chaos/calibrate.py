@@ -19,7 +19,6 @@ failure schedule and keeps each run's JSONL event log. This module turns those l
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections import Counter
@@ -119,8 +118,10 @@ def measure_costs(windows: Sequence[list[dict]], metrics: Sequence[RunMetrics], 
     - ``detect_s``, ``restart_s``, ``restore_s``: means over the *clean* interruptions (one
       failure that resumed). A failure during a recovery stretches that recovery's phases; the
       simulator replays such overlaps itself, so it needs the phases of an undisturbed recovery.
-      ``restart_s`` is the crashes' and ``preempt_restart_s`` the preemptions' (a lost node's
-      replacement first fetches the checkpoint from a peer); each falls back on the other.
+      ``restart_s`` and ``detect_s`` are the crashes', ``preempt_restart_s`` and
+      ``notice_detect_s`` the preemptions' (a lost node's replacement first fetches the
+      checkpoint from a peer; the controller notices a lost node by itself, notice or not); each
+      falls back on the other.
       ``scratch_restore_s`` is ``restore_s``: the measured phase runs from the group's start to
       the restored state, and rebuilding the model and data pipeline dominates it (loading a
       checkpoint of a few MiB takes tens of milliseconds), so a start without checkpoint costs
@@ -145,16 +146,22 @@ def measure_costs(windows: Sequence[list[dict]], metrics: Sequence[RunMetrics], 
 
     persist = statistics.median(pick(lat, "persist_s"))
     stall = max(0.0, excess / len(lat)) if lat else (fallback.stall_s if fallback is not None else 0.0)
-    crash = [f.restart_s for f in clean if f.kind == "crash"]
-    preempt = [f.restart_s for f in clean if f.kind == "preempt"]
-    fb_preempt = fallback.preempt_restart_s if fallback is not None else None
-    costs = Costs(iter_s=iter_s, stall_s=stall, snapshot_s=0.0, persist_s=persist,
-                  detect_s=statistics.fmean(pick([f.detect_s for f in clean], "detect_s")),
-                  restart_s=statistics.fmean(crash or pick(preempt, "restart_s")),
-                  preempt_restart_s=statistics.fmean(preempt) if preempt else (fb_preempt if fb_preempt is not None
-                                                                               else statistics.fmean(crash) if crash else None),
-                  restore_s=statistics.fmean(pick([f.restore_s for f in clean], "restore_s")))
-    costs = dataclasses.replace(costs, scratch_restore_s=costs.restore_s)
+    def by_kind(phase: str, kind: str) -> list[float]:
+        return [f.phase_s(phase) for f in clean if f.kind == kind]
+
+    def split(phase: str, fb_crash: str, fb_preempt: str) -> tuple[float, float | None]:
+        crash, preempt = by_kind(phase, "crash"), by_kind(phase, "preempt")
+        c = statistics.fmean(crash or pick(preempt, fb_crash))
+        fb = getattr(fallback, fb_preempt) if fallback is not None else None
+        p = statistics.fmean(preempt) if preempt else (fb if fb is not None else c)
+        return c, p
+
+    detect, notice_detect = split("detect", "detect_s", "notice_detect_s")
+    restart, preempt_restart = split("restart", "restart_s", "preempt_restart_s")
+    restore = statistics.fmean(pick([f.restore_s for f in clean], "restore_s"))
+    costs = Costs(iter_s=iter_s, stall_s=stall, snapshot_s=0.0, persist_s=persist, detect_s=detect,
+                  notice_detect_s=notice_detect, restart_s=restart, preempt_restart_s=preempt_restart,
+                  restore_s=restore, scratch_restore_s=restore)
     return costs, CostSample(gaps=len(gaps), checkpoints=len(lat), excess_s=excess, recoveries=len(clean))
 
 

@@ -299,16 +299,18 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
     logs: dict[str, tuple[list[dict], object, float]] = {}
     try:
         for i, (name, spec) in enumerate(plan, 1):
+            cap = f", the first {config.max_scheduled}" if config.max_scheduled else ""
             what = "no failures" if spec is None else (
-                f"{config.failures} failures every ~{config.mtbf_s:g}s ({config.schedule})")
+                f"{config.failures} failures every ~{config.mtbf_s:g}s ({config.schedule}{cap})")
             steps = config.steps if spec is not None else (config.baseline_steps or config.steps)
             log(f"[{i}/{len(plan)}] {name}: {steps} steps, {what}")
             t = time.perf_counter()
             result = _run_one(config, name, spec, None if spec is None else schedule, cluster, out)
             took = time.perf_counter() - t
-            logs[name] = (read_event_log(result.event_log), result, took)
-            log(f"      done in {took:.0f}s: {result.failures} failure(s), lost iterations "
-                f"{result.lost_iterations or '-'}")
+            records = read_event_log(result.event_log)
+            logs[name] = (records, result, took)
+            lost = window_metrics(training_window(records)[0], iter_s=1.0, label=name).lost_iters
+            log(f"      done in {took:.0f}s: {len(lost)} interruption(s), lost iterations {lost or '-'}")
     finally:
         if own is not None:
             own.close()

@@ -19,7 +19,8 @@ The model
   (once any in-flight persist is done) and keeps training; if that checkpoint commits before the
   kill, only the iterations after it are lost. (It is modelled as one extra commit: its stall and
   its delay of the next regular checkpoint are ignored, an error of at most one checkpoint.)
-- **Recovery**: detect (``detect_s``; 0 when a notice announced it), wait until all ``nodes``
+- **Recovery**: detect (``detect_s``; ``notice_detect_s``, default 0, when a notice announced
+  it), wait until all ``nodes``
   slots are up (a fixed-size job pauses; it does not run elastic), restart (``restart_s``, or
   ``preempt_restart_s`` when only preemptions caused it),
   restore (``restore_s``; ``scratch_restore_s``, default 0, when there is no checkpoint yet),
@@ -129,12 +130,15 @@ class Costs:
     scratch_restore_s: float | None = None
     """Restart until training when there is no checkpoint to load (rebuilding the model and
     the data pipeline still takes time); None: 0."""
+    notice_detect_s: float | None = None
+    """Detection time of preemptions that came with a notice, for a driver that still waits to
+    see the node go (cfdist's controller does); None: 0, the notice is the detection."""
 
     def __post_init__(self) -> None:
         _check("Costs", "iter_s", self.iter_s, positive=True, hint=" (seconds per iteration)")
         for name in ("stall_s", "snapshot_s", "persist_s", "restore_s", "restart_s", "detect_s"):
             _check("Costs", name, getattr(self, name), hint=" seconds")
-        for name in ("preempt_restart_s", "scratch_restore_s"):
+        for name in ("preempt_restart_s", "scratch_restore_s", "notice_detect_s"):
             if getattr(self, name) is not None:
                 _check("Costs", name, getattr(self, name), hint=" seconds, or None")
 
@@ -417,7 +421,7 @@ class _Run:
     def _fail(self, t: float, hits: list[FailureEvent]) -> None:
         kind = "crash" if any(e.kind == "crash" for e in hits) else "preempt"
         notices = [e.notice_s for e in hits if e.kind == "preempt" and e.notice_s > 0]
-        detect = 0.0 if len(notices) == len(hits) else self.c.detect_s
+        detect = (self.c.notice_detect_s or 0.0) if len(notices) == len(hits) else self.c.detect_s
         if self.phase != "running":
             self.open.events += len(hits)
             if kind == "crash":

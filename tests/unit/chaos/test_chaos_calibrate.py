@@ -70,7 +70,7 @@ def test_costs_from_one_run():
     assert sample.checkpoints == 6 and sample.recoveries == 2
     # 0.02 s extra after checkpoints 5, 10, 15 and 25 (the first step after a restart is no gap)
     assert sample.excess_s == pytest.approx(0.08) and costs.stall_s == pytest.approx(0.08 / 6)
-    assert costs.detect_s == pytest.approx(0.1)
+    assert costs.detect_s == pytest.approx(0.1) and costs.notice_detect_s == pytest.approx(0.1)
     assert (costs.restart_s, costs.preempt_restart_s, costs.restore_s) == pytest.approx((2.0, 3.0, 1.0))
     assert costs.scratch_restore_s == costs.restore_s
 
@@ -93,6 +93,7 @@ def test_a_failure_during_a_recovery_is_left_out_of_the_phase_means_and_fallback
     costs, sample = measure_costs([window], [m], fallback=fallback)
     assert sample.recoveries == 0
     assert (costs.detect_s, costs.restart_s, costs.preempt_restart_s, costs.restore_s) == (6.0, 5.0, 7.0, 4.0)
+    assert costs.notice_detect_s == 6.0   # the fallback has none: the crashes' detection
     assert costs.iter_s == pytest.approx(0.1) and costs.persist_s == pytest.approx(0.05)
 
 
@@ -155,3 +156,13 @@ def test_records_of_unknown_events_pass_unchecked_but_known_ones_are_checked():
     assert ok[0]["step"] is None   # the controller's decisions carry step=None before any checkpoint
     with pytest.raises(ValueError, match="int >= 0"):
         parse_event_log([json.dumps({"t": 1.0, "event": "restored", "step": None, "tier": "none"})])
+
+
+def test_a_noticed_preemption_is_detected_after_notice_detect_s():
+    costs = Costs(iter_s=1.0, stall_s=0.0, persist_s=0.0, restore_s=1.0, restart_s=2.0, detect_s=5.0)
+    events = [FailureEvent(time_s=10.5, kind="preempt", node=0, notice_s=3.0),
+              FailureEvent(time_s=10.5, kind="return", node=0)]
+    (instant,) = simulate(events, FixedK(k=4), costs=costs, nodes=1, horizon_s=30.0).failures
+    (seen,) = simulate(events, FixedK(k=4), costs=dataclass_replace(costs, notice_detect_s=1.5), nodes=1,
+                       horizon_s=30.0).failures
+    assert (instant.detect_s, seen.detect_s) == (0.0, 1.5)   # never the crashes' 5 s
