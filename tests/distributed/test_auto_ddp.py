@@ -2,7 +2,7 @@
 
 Real: two spawned processes, a gloo process group over a TCPStore on 127.0.0.1 (port 0, chosen
 by the parent's store), DDP, the Checkpointer and the carrier comm hook; rank 0 persists to a
-``file://`` directory through a throttling wrapper that is cut 5x mid-run so that k changes.
+``file://`` directory through a throttling wrapper that is cut 25x mid-run so that k changes.
 Faked: nothing else. The points: both ranks take exactly the same checkpoint steps and apply
 every change of k at the same step; a step issues exactly as many torch.distributed collectives
 with cfdist as without it (counted by the process group's collective sequence number); the hook
@@ -133,7 +133,9 @@ def _worker(rank, port, root, out):
         res["counts"] = []
         for i in range(STEPS_FAST + STEPS_SLOW):
             if i == STEPS_FAST and rank == 0:
-                storage.set_bytes_per_s((4 << 20) / 5)
+                # 25x slower: a persist (~1.6 s) then outlasts any interval the profile can pick
+                # (k <= ~31 steps of ~20 ms), so the tuner must raise k on every machine load.
+                storage.set_bytes_per_s((4 << 20) / 25)
             c0 = _collectives(pg)
             ddp(_batch(rank, i)).square().mean().backward()
             ckpt.step(opt)
