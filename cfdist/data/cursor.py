@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cfdist.data.partition import epoch_permutation, rows_for_rank, step_sizes, step_starts
-from cfdist.data.state import DataState, Layout, batches_per_epoch, resume_position
+from cfdist.data.state import DataState, Layout, batches_per_epoch, resolve_world, resume_position
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,14 @@ class EpochCursor:
     ``advance()`` is called once per batch handed to the training loop, so the position
     counts yielded batches only, never prefetched ones.
     """
+
+    @classmethod
+    def for_rank(cls, *, num_samples: int, batch_size: int, seed: int, shuffle: bool, drop_last: bool,
+                 rank: int | None, world_size: int | None, fingerprint: str | None) -> "EpochCursor":
+        """A cursor for this process (``rank``/``world_size`` default from torch.distributed)."""
+        rank, world_size = resolve_world(rank, world_size)
+        return cls(Layout(num_samples=num_samples, batch_size=batch_size, seed=seed, shuffle=shuffle,
+                          drop_last=drop_last, rank=rank, world_size=world_size, fingerprint=fingerprint))
 
     def __init__(self, layout: Layout):
         self.layout = layout

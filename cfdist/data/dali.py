@@ -24,7 +24,7 @@ import torch
 from cfdist.data.cursor import CursorPosition, EpochCursor
 from cfdist.data.hooks import BeforeNextHooks
 from cfdist.data.partition import derive_seed
-from cfdist.data.state import DataState, IncompatibleDataState, Layout, resolve_world
+from cfdist.data.state import DataState, IncompatibleDataState
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,6 @@ class DALIResumableIterator(CursorPosition, BeforeNextHooks):
         prefetch_queue_depth: int = 2,
     ):
         super().__init__()
-        rank, world_size = resolve_world(rank, world_size)
         if num_samples is None:
             num_samples = len(source)  # type: ignore[arg-type]
         if num_inputs is None:
@@ -112,17 +111,9 @@ class DALIResumableIterator(CursorPosition, BeforeNextHooks):
         self._device_id = device_id
         self._num_threads = num_threads
         self._prefetch = prefetch_queue_depth
-        self._cursor = EpochCursor(
-            Layout(
-                num_samples=num_samples,
-                batch_size=batch_size,
-                seed=seed,
-                shuffle=shuffle,
-                drop_last=drop_last,
-                rank=rank,
-                world_size=world_size,
-                fingerprint=fingerprint,
-            )
+        self._cursor = EpochCursor.for_rank(
+            num_samples=num_samples, batch_size=batch_size, seed=seed, shuffle=shuffle,
+            drop_last=drop_last, rank=rank, world_size=world_size, fingerprint=fingerprint,
         )
         self._pipe = None
         self._pending: dict | None = None  # DALI part of a loaded state, used at the next build

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from cfdist.data.cursor import CursorPosition, EpochCursor
 from cfdist.data.hooks import BeforeNextHooks
 from cfdist.data.partition import derive_seed
-from cfdist.data.state import DataState, Layout, resolve_world
+from cfdist.data.state import DataState
 
 _WORKER_SEED_TAG = 0x5EED  # keeps the worker base seed apart from other seeds derived from `seed`
 _OWNED_KWARGS = ("sampler", "batch_sampler", "shuffle", "generator", "batch_size")
@@ -93,19 +93,10 @@ class ResumableLoader(CursorPosition, BeforeNextHooks):
                 f"ResumableLoader needs a map-style dataset (__getitem__ and __len__), got "
                 f"{type(dataset).__name__}: resuming by index is what makes it exactly-once"
             )
-        rank, world_size = resolve_world(rank, world_size)
         self.dataset = dataset
-        self._cursor = EpochCursor(
-            Layout(
-                num_samples=len(dataset),
-                batch_size=batch_size,
-                seed=seed,
-                shuffle=shuffle,
-                drop_last=drop_last,
-                rank=rank,
-                world_size=world_size,
-                fingerprint=fingerprint,
-            )
+        self._cursor = EpochCursor.for_rank(
+            num_samples=len(dataset), batch_size=batch_size, seed=seed, shuffle=shuffle,
+            drop_last=drop_last, rank=rank, world_size=world_size, fingerprint=fingerprint,
         )
         self._generator = torch.Generator()
         self._loader = DataLoader(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from torch.utils.data import Sampler
 
 from cfdist.data.cursor import CursorPosition, EpochCursor
-from cfdist.data.state import DataState, Layout, resolve_world
+from cfdist.data.state import DataState
 
 
 class ResumableSampler(CursorPosition, Sampler[int]):
@@ -41,18 +41,9 @@ class ResumableSampler(CursorPosition, Sampler[int]):
         drop_last: bool = False,
         fingerprint: str | None = None,
     ):
-        rank, world_size = resolve_world(rank, world_size)
-        self._cursor = EpochCursor(
-            Layout(
-                num_samples=num_samples,
-                batch_size=1,
-                seed=seed,
-                shuffle=shuffle,
-                drop_last=drop_last,
-                rank=rank,
-                world_size=world_size,
-                fingerprint=fingerprint,
-            )
+        self._cursor = EpochCursor.for_rank(
+            num_samples=num_samples, batch_size=1, seed=seed, shuffle=shuffle,
+            drop_last=drop_last, rank=rank, world_size=world_size, fingerprint=fingerprint,
         )
         self._generation = 0
 
