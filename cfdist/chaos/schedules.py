@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 from collections.abc import Iterator
@@ -45,7 +46,7 @@ def _positive(owner: str, name: str, value: float, hint: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Arrivals:
+class _Arrivals(abc.ABC):
     """Fields and event generation shared by the renewal schedules (not public)."""
 
     seed: int = 0
@@ -77,9 +78,9 @@ class _Arrivals:
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ValueError(f"{owner}.ranks_per_node must be an int >= 1, got {self.ranks_per_node!r}")
 
+    @abc.abstractmethod
     def _arrival_times(self) -> Iterator[float]:
-        """Arrival times in seconds from job start, increasing, endless."""
-        raise NotImplementedError
+        """Arrival times in seconds from job start, increasing, endless (each schedule's own)."""
 
     def events(self, num_nodes: int, horizon_s: float) -> list[FailureEvent]:
         """The events before ``horizon_s`` for a job on nodes ``0..num_nodes-1``. Pure."""
