@@ -116,7 +116,13 @@ def test_staging_then_publish(st):
 
 def test_publish_refuses_an_existing_final(st):
     if not st.atomic_rename:
-        pytest.skip("object stores publish in place (staging == final): nothing to refuse")
+        # Object stores publish in place: staging is the final prefix and publish is a no-op
+        # that leaves every object where it was written (the manifest PUT is the commit).
+        assert st.staging_dir("run/step-2") == "run/step-2"
+        st.write_file("run/step-2/old", [b"old"])
+        st.publish("run/step-2", "run/step-2")
+        assert st.read_bytes("run/step-2/old") == b"old"
+        return
     st.write_file("run/step-2/old", [b"old"])
     staging = st.staging_dir("run/step-2")
     st.write_file(f"{staging}/new", [b"new"])
