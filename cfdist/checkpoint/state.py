@@ -97,12 +97,14 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(list(st["cuda"]))
 
 
+def _key_diffs(prefix: str, live, saved, where: str) -> list[str]:
+    """Keys only one side has: missing from the checkpoint, or not in ``where`` (the live side)."""
+    return ([f"{prefix}{k}: missing in the checkpoint" for k in sorted(set(live) - set(saved))]
+            + [f"{prefix}{k}: in the checkpoint but not in {where}" for k in sorted(set(saved) - set(live))])
+
+
 def _tensor_diffs(prefix: str, live: dict, saved: dict) -> list[str]:
-    diffs = []
-    for k in sorted(set(live) - set(saved)):
-        diffs.append(f"{prefix}{k}: missing in the checkpoint")
-    for k in sorted(set(saved) - set(live)):
-        diffs.append(f"{prefix}{k}: in the checkpoint but not in the live object")
+    diffs = _key_diffs(prefix, live, saved, "the live object")
     for k in sorted(set(live) & set(saved)):
         a, b = live[k], saved[k]
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -126,11 +128,7 @@ def _optim_diffs(key: str, live: dict, saved: dict) -> list[str]:
 
 def check_compatible(state: dict, saved: dict) -> None:
     """Raise ``CheckpointError`` listing every difference between live objects and a checkpoint."""
-    diffs = []
-    for k in sorted(set(state) - set(saved)):
-        diffs.append(f"{k}: missing in the checkpoint")
-    for k in sorted(set(saved) - set(state)):
-        diffs.append(f"{k}: in the checkpoint but not in the live state")
+    diffs = _key_diffs("", state, saved, "the live state")
     for k in sorted(set(state) & set(saved)):
         obj, sv = state[k], saved[k]
         if isinstance(obj, torch.nn.Module):
