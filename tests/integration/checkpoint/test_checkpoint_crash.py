@@ -45,7 +45,7 @@ def kill_restore_loop(children, out, url, *, kills: int, seed: int, options=None
 
         if rng.random() < wait_for_write:     # kill while a checkpoint is being written
             deadline = time.monotonic() + 10
-            while not any(TMP_MARK in n for n in st.listdir("")) and time.monotonic() < deadline:
+            while not in_flight(st) and time.monotonic() < deadline:
                 time.sleep(0.001)
             time.sleep(rng.uniform(0.0, 0.02))
         else:                                 # anywhere: a step, a snapshot, a write, a retention delete
@@ -105,6 +105,8 @@ def test_sigkill_on_s3_always_restores_the_newest_commit(children, tmp_path, s3_
     """
     out = tmp_path / "out"
     out.mkdir()
-    interrupted = kill_restore_loop(children, out, s3_url, kills=8, seed=7, options=s3_storage_options,
-                                    hidden=256, wait_for_write=0.0)
-    assert interrupted >= 1, "no kill landed while a checkpoint was being written to S3"
+    # Half the kills wait for a step prefix without a manifest (a write in flight). On S3 that
+    # window is one PUT wide, so whether a kill lands inside it depends on the machine's load:
+    # the file:// test above asserts mid-write kills; this one asserts the restores.
+    kill_restore_loop(children, out, s3_url, kills=8, seed=7, options=s3_storage_options,
+                      hidden=256, wait_for_write=0.5)
