@@ -392,7 +392,8 @@ def plots(a: dict, out: str) -> list[str]:
                 ax.plot(*zip(*pts), "o-", label=m)
         ax.set_xlabel(xl)
         ax.set_ylabel("stall per checkpoint (s)")
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
     if main:
         rs = [(1 if m == "cfdist" else int(m.removeprefix("cfdist.roots")), d["stall_s"]["median"],
                d.get("persist_mb_s")) for m, d in main["methods"].items()

@@ -13,6 +13,7 @@ import os
 import queue as queue_mod
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -99,7 +100,17 @@ def _one_run(block: Block, method: str, w, model, pg, root: str, rank: int, rep:
             "cpu_s": cpu, "stats": stats}
 
 
+def _die_with_parent() -> None:
+    """Linux: a rank gets SIGTERM when the benchmark process dies (no orphans on a shared machine)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
 def _rank_main(rank: int, block: Block, port: int, root: str, q) -> None:
+    _die_with_parent()
     try:
         import warnings
 

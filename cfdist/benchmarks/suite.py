@@ -4,7 +4,7 @@ Modes (``cfdist bench --mode``):
 
 * ``quick``: every method once on a ~4 MB MLP, tiny references (a smoke test, well under a minute);
 * ``default``: the ~200 MB MLP with every method (3 interleaved rounds), the CNN, GPT and DLRM
-  workloads against every peer (2 rounds), growth with state size (10, 50, 200 MB), ranks
+  workloads (~50 MB) against every peer (2 rounds), growth with state size (10, 50, 200 MB), ranks
   (1, 2, 4) and roots (1, 2, 4), ``Auto`` at a 3.5% budget, disk/memory references and cold
   restores; about 10-15 minutes on an idle 2-core machine;
 * ``full``: the same with 5 rounds everywhere.
@@ -70,7 +70,7 @@ def plan(cfg: SuiteConfig) -> list[Block]:
     blocks.append(Block(name="auto", workload="mlp", state_mb=200, world=2, methods=["none", "cfdist.auto"],
                         k=k, warmup=14, steps=30, repeats=1))
     for w in ("cnn", "gpt", "dlrm"):
-        blocks.append(Block(name="workload", workload=w, state_mb=100, world=2, methods=list(WORKLOAD_METHODS),
+        blocks.append(Block(name="workload", workload=w, state_mb=50, world=2, methods=list(WORKLOAD_METHODS),
                             repeats=wreps, **win))
     for mb in (10, 50) + ((1000, 2000) if cfg.big else ()):
         blocks.append(Block(name="size", workload="mlp", state_mb=mb, world=2, methods=list(GROWTH_METHODS),

@@ -97,8 +97,8 @@ class _GPT(nn.Module):
 
 
 def gpt(state_mb: float, seed: int):
-    """GPT-like decoder: 4 pre-norm causal layers, vocab 8192; 4 sequences of 32 tokens."""
-    layers, vocab, seq = 4, 8192, 32
+    """GPT-like decoder: 4 pre-norm causal layers, vocab 8192 (1024 below 64 MB); 4 sequences of 32 tokens."""
+    layers, vocab, seq = 4, 8192 if state_mb >= 64 else 1024, 32
     # params ~= layers * 12 d^2 + 2 * vocab * d
     per = state_mb * 1e6 / BYTES_PER_PARAM
     d = int((-2 * vocab + math.sqrt(4 * vocab ** 2 + 48 * layers * per)) / (24 * layers))
