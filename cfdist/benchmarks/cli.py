@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 
 def register(sub) -> None:
@@ -69,6 +68,14 @@ def update_readme(source: str, readme_file: str) -> None:
         f.write(new)
 
 
+def command_args(a) -> list[str]:
+    """The ``cfdist bench`` arguments that reproduce this run (from the parsed options)."""
+    out = {"quick": ["--quick"], "full": ["--full"]}.get(a.mode, [])
+    out += ["--big"] * a.big + ["--recovery"] * a.recovery
+    out += (["--k", str(a.k)] if a.k != 5 else []) + (["--dir", a.dir] if a.dir else [])
+    return out + ["--out", a.out] + (["--note", a.note] if a.note else [])
+
+
 def main(a) -> int:
     from cfdist.benchmarks import suite
 
@@ -82,8 +89,7 @@ def main(a) -> int:
         print(f"wrote {write_report(results, a.render)}")
         return 0
     cfg = suite.SuiteConfig(mode=a.mode, big=a.big, recovery=a.recovery, dir=a.dir, k=a.k)
-    argv = [x for x in sys.argv[2:]] if len(sys.argv) > 1 and sys.argv[1] == "bench" else []
-    results = suite.run(cfg, argv=argv, log=lambda s: print(s, flush=True))
+    results = suite.run(cfg, argv=command_args(a), log=lambda s: print(s, flush=True))
     if a.note:
         results["note"] = a.note
     path = write_report(results, a.out)
