@@ -89,7 +89,8 @@ def analyze_micro(micro: dict) -> dict:
            "memcpy_s": measure.spread([r["s"] for r in micro["memcpy"]]),
            "snapshot_s": measure.spread([r["s"] for r in micro["snapshot"]]),
            "snapshot_vs_memcpy": measure.spread([s["s"] / m["s"] for s, m in zip(micro["snapshot"], micro["memcpy"])]),
-           "persist_cpu_s": measure.spread([p["cpu_s"] for p in persist]),
+           "cpu_s": {k: measure.spread([r["cpu_s"] for r in micro[k] if r and "cpu_s" in r])
+                     for k in ("raw", "direct", "memcpy", "snapshot", "persist")},
            }
     ref = _med([m["cpu_s"] for m in micro["memcpy"]]) + _med([r["cpu_s"] for r in raw])
     out["cpu_ref_s"] = ref
@@ -224,6 +225,12 @@ def markdown(results: dict, a: dict | None = None) -> str:
          f"{_load(mc.get('load_avg_start'))}, at end {_load(mc.get('load_avg_end'))}.", ""]
     if results.get("note"):
         L += [results["note"], ""]
+    noisy = [f"{b['workload']}/{b['name']} {m}" for b in a["blocks"] for m, d in b["methods"].items()
+             if m != "none" and d.get("overhead") and measure.is_noisy(d["overhead"])]
+    if noisy:
+        L += [f"**Noisy run**: {len(noisy)} wall-overhead figure(s) are within the no-checkpoint runs' own "
+              f"spread ({', '.join(noisy)}); read them as 'not distinguishable from noise'. Stall and CPU "
+              f"figures are per checkpoint and less sensitive to it.", ""]
     L += ["How it is measured. Every method runs the same training loop (real gloo processes, DDP, "
           "Adam) and is timed from the outside the same way: each iteration's optimizer phase (the "
           "step plus any checkpoint work and waits) is timed around the call; the phases' excess over "
@@ -259,7 +266,13 @@ def markdown(results: dict, a: dict | None = None) -> str:
               f"| memcpy of the bytes | {_ms(m['memcpy_s'])} | 1 |",
               f"| cfdist snapshot (phase 1 copy) | {_ms(m['snapshot_s'])} | "
               f"{_x(m['snapshot_vs_memcpy']['median'])} memcpy |",
-              f"| CPU of memcpy + raw write (the CPU reference) | {m['cpu_ref_s']:.3f} s | |", ""]
+              f"| CPU of memcpy + raw write (the CPU reference) | {m['cpu_ref_s']:.3f} s | 1 |", "",
+              "CPU seconds of each (this process, all threads; the kernel's writeback threads are not "
+              "attributed to it):", "",
+              "| raw write + fsync | O_DIRECT | memcpy | cfdist snapshot | cfdist persist |",
+              "|---:|---:|---:|---:|---:|",
+              "| " + " | ".join(_cpu(m["cpu_s"].get(k)) for k in ("raw", "direct", "memcpy", "snapshot", "persist"))
+              + " |", ""]
     if a["restore"]:
         r = a["restore"]
         L += ["## Restore (cold page cache)", "",
@@ -272,6 +285,10 @@ def markdown(results: dict, a: dict | None = None) -> str:
         L += recovery_table(results["recovery"])
     L += ["## Plots", "", "![stall](stall.png)", "", "![overhead](overhead.png)", "", "![growth](growth.png)", ""]
     return "\n".join(L)
+
+
+def _cpu(s: dict | None) -> str:
+    return "-" if not s or s.get("median") is None else f"{s['median']:.3f} s"
 
 
 def _load(x) -> str:
