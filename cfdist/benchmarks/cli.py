@@ -31,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: the temp dir)")
     p.add_argument("--out", default=os.path.join("cfdist-runs", "bench"),
                    help="where results.json, report.md and the PNGs go (default cfdist-runs/bench)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no further block after this many minutes (skipped blocks are listed)")
     p.add_argument("--note", default=None, help="a line for the report, e.g. 'machine shared with other jobs'")
     p.add_argument("--render", metavar="DIR", default=None, help="only re-render DIR/results.json")
     p.add_argument("--readme", action="store_true",
@@ -73,6 +75,7 @@ def command_args(a) -> list[str]:
     out = {"quick": ["--quick"], "full": ["--full"]}.get(a.mode, [])
     out += ["--big"] * a.big + ["--recovery"] * a.recovery
     out += (["--k", str(a.k)] if a.k != 5 else []) + (["--dir", a.dir] if a.dir else [])
+    out += ["--max-minutes", f"{a.max_minutes:g}"] if a.max_minutes else []
     return out + ["--out", a.out] + (["--note", a.note] if a.note else [])
 
 
@@ -88,7 +91,8 @@ def main(a) -> int:
             results = json.load(f)
         print(f"wrote {write_report(results, a.render)}")
         return 0
-    cfg = suite.SuiteConfig(mode=a.mode, big=a.big, recovery=a.recovery, dir=a.dir, k=a.k)
+    cfg = suite.SuiteConfig(mode=a.mode, big=a.big, recovery=a.recovery, dir=a.dir, k=a.k,
+                            max_minutes=a.max_minutes)
     results = suite.run(cfg, argv=command_args(a), log=lambda s: print(s, flush=True))
     if a.note:
         results["note"] = a.note

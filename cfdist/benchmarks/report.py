@@ -59,6 +59,8 @@ def analyze_block(block: dict, cpu_ref_per_byte: float | None = None) -> dict:
         if cpu_ref_per_byte and state_bytes and cpu:
             d["cpu_ratio"] = d["cpu_s"]["median"] / (cpu_ref_per_byte * state_bytes)
         st = [r.get("stats") or {} for r in rs]
+        if any(s.get("mean_snapshot_s") for s in st):
+            d["snapshot_s"] = _med([s["mean_snapshot_s"] for s in st if s.get("mean_snapshot_s")])
         if any(s.get("mean_persist_s") for s in st):
             d["persist_mb_s"] = _med([s["bytes"] / s["mean_persist_s"] / 1e6 for s in st
                                       if s.get("mean_persist_s") and s.get("bytes")])
@@ -227,6 +229,9 @@ def markdown(results: dict, a: dict | None = None) -> str:
         L += [results["note"], ""]
     noisy = [f"{b['workload']}/{b['name']} {m}" for b in a["blocks"] for m, d in b["methods"].items()
              if m != "none" and d.get("overhead") and measure.is_noisy(d["overhead"])]
+    if results.get("skipped"):
+        L += [f"**Not run** (past the `--max-minutes` budget): " + ", ".join(
+            f"{b['name']} {b['workload']} {b['state_mb']:g} MB x{b['world']}" for b in results["skipped"]) + ".", ""]
     if noisy:
         L += [f"**Noisy run**: {len(noisy)} wall-overhead figure(s) are within the no-checkpoint runs' own "
               f"spread ({', '.join(noisy)}); read them as 'not distinguishable from noise'. Stall and CPU "
@@ -247,8 +252,13 @@ def markdown(results: dict, a: dict | None = None) -> str:
             L += [f"## {b['workload']} ({b['name']})", "", _block_title(b), ""] + method_table(b) + [""]
             cf = b["methods"].get("cfdist")
             if cf and cf.get("persist_mb_s"):
-                L += [f"cfdist's persist during training: {cf['persist_mb_s']:.0f} MB/s (sharing the cores with "
-                      f"the training ranks).", ""]
+                memcpy = a["micro"]["memcpy_s"]["median"] * (b["state_bytes"] or 0) / a["micro"]["bytes"] \
+                    if a["micro"] and b["state_bytes"] else None
+                snap = (f"; its snapshot copy took {1000 * cf['snapshot_s']:.0f} ms"
+                        + (f" ({cf['snapshot_s'] / memcpy:.1f}x an idle memcpy of the bytes)" if memcpy else "")
+                        if cf.get("snapshot_s") else "")
+                L += [f"cfdist during training: persist at {cf['persist_mb_s']:.0f} MB/s (sharing the cores with "
+                      f"the training ranks){snap}.", ""]
     L += growth_tables(a)
     if a["micro"]:
         m = a["micro"]

@@ -48,12 +48,17 @@ class SuiteConfig:
     """Directory (a filesystem path) the checkpoints are written under; default: the temp dir."""
     k: int = 5
     """Checkpoint interval of the fixed-interval runs."""
+    max_minutes: float | None = None
+    """Start no further block after this many minutes (the ones skipped are listed in the
+    results and the report); None: run every block."""
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an int >= 1 (steps between checkpoints), got {self.k!r}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0 (or None for no limit), got {self.max_minutes!r}")
 
 
 def plan(cfg: SuiteConfig) -> list[Block]:
@@ -67,11 +72,11 @@ def plan(cfg: SuiteConfig) -> list[Block]:
     greps = 3 if cfg.mode == "full" else 1
     win = dict(k=k, warmup=2 * k - 1, steps=3 * k)
     blocks = [Block(name="main", workload="mlp", state_mb=200, world=2, methods=list(CORE), repeats=reps, **win)]
-    blocks.append(Block(name="auto", workload="mlp", state_mb=200, world=2, methods=["none", "cfdist.auto"],
-                        k=k, warmup=14, steps=30, repeats=1))
     for w in ("cnn", "gpt", "dlrm"):
         blocks.append(Block(name="workload", workload=w, state_mb=50, world=2, methods=list(WORKLOAD_METHODS),
                             repeats=wreps, **win))
+    blocks.append(Block(name="auto", workload="mlp", state_mb=200, world=2, methods=["none", "cfdist.auto"],
+                        k=k, warmup=14, steps=30, repeats=1))
     for mb in (10, 50) + ((1000, 2000) if cfg.big else ()):
         blocks.append(Block(name="size", workload="mlp", state_mb=mb, world=2, methods=list(GROWTH_METHODS),
                             repeats=greps, **win))
@@ -148,16 +153,21 @@ def run(cfg: SuiteConfig, *, argv: list[str] | None = None, log=print) -> dict:
            "command": "cfdist bench " + " ".join(shlex.quote(a) for a in (argv or [])),
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
            "machine": machine(), "filesystem": filesystem(root), "blocks": []}
-    for b in plan(cfg):
-        log(f"block {b.name}: {b.workload} {b.state_mb:g} MB, {b.world} rank(s), k={b.k}, {b.steps} steps, "
-            f"{b.repeats} round(s) of {', '.join(b.methods)}")
-        res["blocks"].append(run_block(b, root=root, log=log))
     quick = cfg.mode == "quick"
     mb = 4 if quick else 200
     log(f"references on {root}: raw write + fsync, O_DIRECT, memcpy, cfdist snapshot and persist ({mb} MB)")
     res["micro"] = micro.disk_and_phases(root, state_mb=mb, rounds=1 if quick else 5, log=log)
     log("cold restore: torch.load, DCP load, cfdist")
     res["restore"] = micro.restore(root, state_mb=mb, rounds=1 if quick else 3, log=log)
+    res["skipped"] = []
+    for b in plan(cfg):
+        if cfg.max_minutes is not None and time.time() - t0 > 60 * cfg.max_minutes:
+            res["skipped"].append(asdict(b))
+            log(f"block {b.name} ({b.workload} {b.state_mb:g} MB, {b.world} ranks) skipped: past {cfg.max_minutes} min")
+            continue
+        log(f"block {b.name}: {b.workload} {b.state_mb:g} MB, {b.world} rank(s), k={b.k}, {b.steps} steps, "
+            f"{b.repeats} round(s) of {', '.join(b.methods)}")
+        res["blocks"].append(run_block(b, root=root, log=log))
     if cfg.recovery:
         res["recovery"] = _recovery(log)
     res["machine"]["load_avg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
