@@ -55,14 +55,15 @@ def overhead(walls: list[float], base_walls: list[float]) -> dict:
         raise ValueError("no baseline (no-checkpoint) runs to compare against")
     base = statistics.median(base_walls)
     out = spread([w / base - 1.0 for w in walls])
-    out["noise"] = (max(base_walls) - min(base_walls)) / base
+    # one baseline run has no spread to show: the noise is unknown, not zero
+    out["noise"] = (max(base_walls) - min(base_walls)) / base if len(base_walls) > 1 else None
     return out
 
 
 def is_noisy(overhead_spread: dict) -> bool:
     """A figure is noise-bound when the baseline's own spread is as large as the figure."""
-    med = overhead_spread.get("median")
-    return med is not None and overhead_spread.get("noise", 0.0) >= abs(med)
+    med, noise = overhead_spread.get("median"), overhead_spread.get("noise")
+    return med is not None and noise is not None and noise >= abs(med)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

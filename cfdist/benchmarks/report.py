@@ -137,7 +137,7 @@ def targets(a: dict) -> list[dict]:
         below = all(ov["median"] < v for v in peers.values())
         rows.append({"target": TARGETS["overhead"].replace("k=5", f"k={main['k']}"),
                      "measured": f"{100 * ov['median']:+.1f}% [{100 * ov['min']:+.1f}, {100 * ov['max']:+.1f}] "
-                                 f"(noise {100 * ov['noise']:.1f}%); best peer "
+                                 f"(noise {_noise(ov['noise'])}); best peer "
                                  f"{100 * min(peers.values()):+.1f}%" if peers else "",
                      "met": ov["median"] <= 0.10 and below, "noisy": measure.is_noisy(ov)})
         c = main["methods"]["cfdist"].get("cpu_ratio")
@@ -148,7 +148,7 @@ def targets(a: dict) -> list[dict]:
         d = auto["methods"]["cfdist.auto"]
         ov = d.get("overhead")
         rows.append({"target": TARGETS["auto"],
-                     "measured": f"k={d['k']}: {100 * ov['median']:+.1f}% (noise {100 * ov['noise']:.1f}%)" if ov else "n/a",
+                     "measured": f"k={d['k']}: {100 * ov['median']:+.1f}% (noise {_noise(ov['noise'])})" if ov else "n/a",
                      "met": None if not ov else ov["median"] <= 0.035, "noisy": bool(ov) and measure.is_noisy(ov)})
     if a["micro"]:
         p = a["micro"]["persist_vs_raw"]["median"]
@@ -158,6 +158,10 @@ def targets(a: dict) -> list[dict]:
 
 
 # ---- markdown ---------------------------------------------------------------------------------------
+
+def _noise(x: float | None) -> str:
+    return "unknown (one baseline run)" if x is None else f"{100 * x:.1f}%"
+
 
 def _pct(s: dict | None) -> str:
     if not s or s.get("median") is None:
@@ -197,7 +201,7 @@ def method_table(b: dict) -> list[str]:
         if m == "none":
             ov = d.get("overhead", {})
             lines.append(f"| none (baseline) | noise floor {_ms(d['stall_s'])} | | | | "
-                         f"own spread {100 * ov.get('noise', 0):.1f}% |")
+                         f"own spread {_noise(ov.get('noise'))} |")
             continue
         cpu = d["cpu_s"]["median"]
         err = f" ({d['errors']} errors)" if d["errors"] else ""
@@ -393,7 +397,7 @@ def plots(a: dict, out: str) -> list[str]:
         hi = [100 * main["methods"][m]["overhead"]["max"] for m in ms]
         ax.bar(range(len(ms)), med, yerr=[[x - y for x, y in zip(med, lo)], [y - x for x, y in zip(med, hi)]],
                capsize=3, color=["C3" if m.startswith("cfdist") else "C0" for m in ms])
-        noise = 100 * main["methods"]["none"]["overhead"]["noise"] if "none" in main["methods"] else 0
+        noise = 100 * (main["methods"]["none"]["overhead"]["noise"] or 0) if "none" in main["methods"] else 0
         ax.axhspan(0, noise, color="grey", alpha=0.25, label=f"no-checkpoint spread {noise:.1f}%")
         ax.axhline(10, color="k", ls="--", lw=1, label="target 10%")
         ax.set_xticks(range(len(ms)), ms, rotation=30, ha="right", fontsize=8)

@@ -131,8 +131,8 @@ def _rank_main(rank: int, block: Block, port: int, root: str, q) -> None:
             q.put({"info": {"describe": w.describe, "params": w.params}})
         for rep in range(block.repeats):
             for method in block.methods:
-                if method == "cfdist.auto":   # Auto carries k on a DDP comm hook: one per DDP model
-                    del model
+                if "cfdist.auto" in block.methods:   # Auto carries k on a DDP comm hook (one per DDP
+                    del model                          # model): every run of the block gets a fresh one
                     gc.collect()
                     model = _ddp(w.model)
                 r = _one_run(block, method, w, model, pg, root, rank, rep)

@@ -76,7 +76,7 @@ def plan(cfg: SuiteConfig) -> list[Block]:
         blocks.append(Block(name="workload", workload=w, state_mb=50, world=2, methods=list(WORKLOAD_METHODS),
                             repeats=wreps, **win))
     blocks.append(Block(name="auto", workload="mlp", state_mb=200, world=2, methods=["none", "cfdist.auto"],
-                        k=k, warmup=14, steps=30, repeats=1))
+                        k=k, warmup=14, steps=30, repeats=greps + 1))
     for mb in (10, 50) + ((1000, 2000) if cfg.big else ()):
         blocks.append(Block(name="size", workload="mlp", state_mb=mb, world=2, methods=list(GROWTH_METHODS),
                             repeats=greps, **win))
