@@ -50,7 +50,8 @@ class Method:
         self.taken = 0
 
     def is_checkpoint(self, step: int) -> bool:
-        return step % self.k == 0
+        """Steps 1, k+1, 2k+1, ...: the first checkpoint warms the method's buffers up."""
+        return (step - 1) % self.k == 0
 
     def phase(self, step: int) -> bool:
         """Optimizer step + checkpoint work; returns whether a checkpoint was started."""
@@ -196,7 +197,8 @@ class Cfdist(Method):
 
         urls = [f"file://{self.outdir}/root{j}" for j in range(self.roots)]
         # Auto profiles 10 steps (its minimum) instead of 50, so a short run reaches its k
-        policy = cfdist.Auto(max_overhead=0.035, profile_steps=10) if self.auto else cfdist.Every(self.k)
+        policy = (cfdist.Auto(max_overhead=0.035, profile_steps=10) if self.auto
+                  else _FromStepOne(cfdist.Every(self.k)))
         self.ckpt = cfdist.Checkpointer({"model": self.model, "optim": self.opt},
                                         urls if self.roots > 1 else urls[0], policy=policy,
                                         backend=self.backend)
@@ -219,6 +221,19 @@ class Cfdist(Method):
         keep = ("k", "mode", "checkpoints", "bytes", "mean_persist_s", "mean_snapshot_s", "mean_stall_s",
                 "total_stall_s", "errors", "last_error")
         return {k: s.get(k) for k in keep}
+
+
+class _FromStepOne:
+    """``Every(k)`` shifted to steps 1, k+1, 2k+1, ... like the other methods (see ``is_checkpoint``)."""
+
+    def __init__(self, every):
+        self.every = every
+
+    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
+        return self.every.should_checkpoint(step + self.every.k - 1, epoch_end=epoch_end)
+
+    def __getattr__(self, name):
+        return getattr(self.every, name)
 
 
 def _warm_child() -> None:

@@ -36,16 +36,17 @@ class Block:
     methods: list[str]
     k: int = 5
     """Checkpoint interval of the fixed-interval methods (steps)."""
-    warmup: int = 9
-    """Steps before the measured window (a multiple of k, minus one: the window opens on a
-    checkpoint step, and the warm-up holds one checkpoint, so buffers exist before timing)."""
-    steps: int = 20
+    warmup: int = 5
+    """Steps before the measured window, a multiple of k: fixed-interval methods checkpoint at
+    steps 1, k+1, ..., so the warm-up holds a checkpoint (buffers exist before timing) and the
+    window opens on a checkpoint step."""
+    steps: int = 10
     """Measured steps (a multiple of k: every checkpoint's aftermath is inside the window)."""
     repeats: int = 1
     tags: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.k < 1 or self.steps < self.k or self.world < 1 or self.repeats < 1:
+        if self.k < 1 or self.steps < self.k or self.world < 1 or self.repeats < 1 or self.warmup < 1:
             raise ValueError(f"block {self.name}: need k >= 1, steps >= k, world >= 1, repeats >= 1; got "
                              f"k={self.k} steps={self.steps} world={self.world} repeats={self.repeats}")
 

@@ -65,18 +65,18 @@ def plan(cfg: SuiteConfig) -> list[Block]:
     """The blocks a configuration runs, in order. Pure."""
     k = cfg.k
     if cfg.mode == "quick":
-        return [Block(name="main", workload="mlp", state_mb=4, world=2, methods=list(CORE), k=2, warmup=3,
+        return [Block(name="main", workload="mlp", state_mb=4, world=2, methods=list(CORE), k=2, warmup=2,
                       steps=4, repeats=1)]
     reps = 5 if cfg.mode == "full" else 3
     wreps = 5 if cfg.mode == "full" else 2
     greps = 3 if cfg.mode == "full" else 1
-    win = dict(k=k, warmup=2 * k - 1, steps=3 * k)
+    win = dict(k=k, warmup=k, steps=(3 if cfg.mode == "full" else 2) * k)
     blocks = [Block(name="main", workload="mlp", state_mb=200, world=2, methods=list(CORE), repeats=reps, **win)]
     for w in ("cnn", "gpt", "dlrm"):
         blocks.append(Block(name="workload", workload=w, state_mb=50, world=2, methods=list(WORKLOAD_METHODS),
                             repeats=wreps, **win))
     blocks.append(Block(name="auto", workload="mlp", state_mb=200, world=2, methods=["none", "cfdist.auto"],
-                        k=k, warmup=14, steps=30, repeats=greps + 1))
+                        k=k, warmup=12, steps=4 * k, repeats=greps + 1))
     for mb in (10, 50) + ((1000, 2000) if cfg.big else ()):
         blocks.append(Block(name="size", workload="mlp", state_mb=mb, world=2, methods=list(GROWTH_METHODS),
                             repeats=greps, **win))
