@@ -57,10 +57,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ddp(module):
-    return torch.nn.parallel.DistributedDataParallel(module)
-
-
 def _one_run(block: Block, method: str, w, model, pg, root: str, rank: int, rep: int) -> dict:
     import torch.distributed as dist
 
@@ -127,15 +123,11 @@ def _rank_main(rank: int, block: Block, port: int, root: str, q) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=block.world)
         pg = dist.new_group(backend="gloo")   # DCP's collectives never interleave with DDP's
         w = build(block.workload, block.state_mb, rank=rank)
-        model = _ddp(w.model)
+        model = torch.nn.parallel.DistributedDataParallel(w.model)
         if rank == 0:
             q.put({"info": {"describe": w.describe, "params": w.params}})
         for rep in range(block.repeats):
             for method in block.methods:
-                if "cfdist.auto" in block.methods:   # Auto carries k on a DDP comm hook (one per DDP
-                    del model                          # model): every run of the block gets a fresh one
-                    gc.collect()
-                    model = _ddp(w.model)
                 r = _one_run(block, method, w, model, pg, root, rank, rep)
                 if method == "none" and rep == 0 and rank == 0:
                     r["state_bytes"] = w.state_bytes
