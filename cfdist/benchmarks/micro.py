@@ -6,6 +6,7 @@ hits all alike), on the same filesystem as the training runs:
 * ``raw``: ``os.write`` of the bytes in 16 MiB chunks + ``fsync`` (the disk's write bandwidth);
 * ``direct``: the same with ``O_DIRECT`` (skips the page cache), where the filesystem allows;
 * ``memcpy``: one flat tensor copy of the bytes into a preallocated buffer;
+* ``xxh3``: xxh3-64 of every tensor of the snapshot (the checksum cfdist's persist computes);
 * ``snapshot``: cfdist's phase 1 (:class:`~cfdist.checkpoint.snapshot.Snapshotter`) of a
   workload's model + Adam tensors;
 * ``persist``: cfdist's phase 2 (:func:`~cfdist.checkpoint.persist.write_checkpoint`) of that
@@ -26,6 +27,7 @@ import tempfile
 import time
 
 import torch
+import xxhash
 
 from cfdist.benchmarks import measure
 
@@ -110,7 +112,7 @@ def disk_and_phases(root: str, *, workload: str = "mlp", state_mb: float = 200, 
     snap = Snapshotter()
     d = tempfile.mkdtemp(prefix="micro-", dir=root)
     sts = open_storages(f"file://{d}/ckpt")
-    out = {k: [] for k in ("raw", "direct", "memcpy", "snapshot", "persist")}
+    out = {k: [] for k in ("raw", "direct", "memcpy", "xxh3", "snapshot", "persist")}
     try:
         snap.start(tensors)
         snap.wait_copied()                      # allocates the arenas; not timed
@@ -123,6 +125,9 @@ def disk_and_phases(root: str, *, workload: str = "mlp", state_mb: float = 200, 
             out["raw"].append(raw_write(os.path.join(d, "raw.bin"), nbytes, buf))
             out["direct"].append(raw_write(os.path.join(d, "direct.bin"), nbytes, buf, direct=True))
             out["memcpy"].append(_timed(lambda: dst.copy_(src)))
+            arena = snap.host[0].buf.numpy()
+            out["xxh3"].append(_timed(lambda: [xxhash.xxh3_64(memoryview(arena[e.offset:e.offset + e.nbytes])).digest()
+                                               for e in snap.layout[0]]))
             out["snapshot"].append(_timed(lambda: (snap.start(tensors), snap.wait_copied())))
             job = PersistJob(step=i + 1, manifest={"skeleton": {}}, arenas=[a.buf for a in snap.host],
                              shards=[ShardJob(index=0, count=1, root=0, nbytes=snap.nbytes, entries=snap.layout[0])])

@@ -96,27 +96,15 @@ class CommitInfo:
     deleted: tuple[int, ...] = ()
 
 
-def _shard_chunks(header: bytes, arena: np.ndarray, entries: list[TensorEntry], sums: dict,
-                  hasher: cf.Executor | None = None):
-    """The shard's bytes in chunks, each tensor's xxh3 into ``sums``. With ``hasher`` (one
-    thread), a chunk is hashed while the storage writes it (xxhash releases the GIL), so the
-    checksum adds no persist time when a core is free (``cfdist bench``: ~10% of a persist)."""
+def _shard_chunks(header: bytes, arena: np.ndarray, entries: list[TensorEntry], sums: dict):
     yield header
     for e in entries:
         h = xxhash.xxh3_64()
         mv = memoryview(arena[e.offset:e.offset + e.nbytes])
-        pending = None
         for i in range(0, e.nbytes, _CHUNK):
             c = mv[i:i + _CHUNK]
-            if pending is not None:
-                pending.result()   # in order: the previous chunk's update first
-            if hasher is None:
-                h.update(c)
-            else:
-                pending = hasher.submit(h.update, c)
+            h.update(c)
             yield c
-        if pending is not None:
-            pending.result()
         sums[e.name] = h.hexdigest()
 
 
@@ -141,14 +129,13 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
 
     def write_root(r: int) -> int:
         n = 0
-        with cf.ThreadPoolExecutor(1, thread_name_prefix="cfdist-xxh3") as hasher:
-            for s in job.shards:
-                if s.root != r:
-                    continue
-                arr = arenas[s.index].numpy()
-                hdr = safetensors_header(s.entries, {"format": "pt", "step": str(job.step)})
-                n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}",
-                                            _shard_chunks(hdr, arr, s.entries, sums, hasher))
+        for s in job.shards:
+            if s.root != r:
+                continue
+            arr = arenas[s.index].numpy()
+            hdr = safetensors_header(s.entries, {"format": "pt", "step": str(job.step)})
+            n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}",
+                                        _shard_chunks(hdr, arr, s.entries, sums))
         storages[r].fsync_dir(staging[r])
         return n
 

@@ -30,7 +30,7 @@ def test_bench_quick_writes_results_report_and_plots_for_every_method(tmp_path):
         assert not (r["stats"] or {}).get("errors"), (m, r["stats"])
     for m in ("cfdist", "cfdist.process", "cfdist.roots2", "cfdist.roots4"):
         assert runs[m]["stats"]["checkpoints"] >= 2 and runs[m]["stats"]["bytes"] > 0, m
-    for k in ("raw", "memcpy", "snapshot", "persist"):
+    for k in ("raw", "memcpy", "xxh3", "snapshot", "persist"):
         assert res["micro"][k] and all(x["s"] > 0 for x in res["micro"][k]), k
     for k in ("torch.load", "dcp.load", "cfdist"):
         assert res["restore"][k][0]["s"] > 0, k
