@@ -45,6 +45,7 @@ def analyze_block(block: dict, cpu_ref_per_byte: float | None = None) -> dict:
     out = {"name": block["block"]["name"], "workload": block["block"]["workload"],
            "state_mb": block["block"]["state_mb"], "world": block["block"]["world"], "k": block["block"]["k"],
            "describe": block.get("info", {}).get("describe"), "state_bytes": state_bytes,
+           "steps": block["block"]["steps"],
            "phase_s": _med([statistics.median(r["phases"]) for r in none]), "methods": {}}
     for m, rs in by.items():
         stalls = [measure.outside_stall(r["phases"], r["checkpoints"]) for r in rs if r["checkpoints"]]
@@ -146,9 +147,11 @@ def targets(a: dict) -> list[dict]:
     auto = (_find(a["blocks"], "auto") or [None])[0]
     if auto and "cfdist.auto" in auto["methods"]:
         d = auto["methods"]["cfdist.auto"]
-        ov = d.get("overhead")
+        ov = d.get("overhead") if d["checkpoints"] else None   # no checkpoint in the window: nothing measured
         rows.append({"target": TARGETS["auto"],
-                     "measured": f"k={d['k']}: {100 * ov['median']:+.1f}% (noise {_noise(ov['noise'])})" if ov else "n/a",
+                     "measured": (f"k={d['k']}, {d['checkpoints']:g} checkpoints per run: {100 * ov['median']:+.1f}% "
+                                  f"(noise {_noise(ov['noise'])})" if ov else
+                                  f"k={d['k']}: no checkpoint inside the {auto['steps']}-step window"),
                      "met": None if not ov else ov["median"] <= 0.035, "noisy": bool(ov) and measure.is_noisy(ov)})
     if a["micro"]:
         p = a["micro"]["persist_vs_raw"]["median"]
@@ -226,7 +229,8 @@ def markdown(results: dict, a: dict | None = None) -> str:
          f"Reproduce: `{results['command']}` (mode `{results['config']['mode']}`), started {results['started']}, "
          f"took {results.get('seconds', 0) / 60:.1f} min.", "",
          f"Machine: {mc.get('cpu_count')} cores ({mc.get('cpu_model')}), {mc.get('memory_gb')} GB RAM, "
-         f"checkpoints on {fs.get('type')} ({fs.get('device')}, {fs.get('size_gb')} GB); python {mc.get('python')}, "
+         f"checkpoints on {fs.get('type')} ({fs.get('device')}, {fs.get('size_gb')} GB"
+         f"{', reported rotational' if fs.get('rotational') else ''}); python {mc.get('python')}, "
          f"torch {mc.get('torch')}, ray {mc.get('ray')}; {mc.get('platform')}. Load average at start "
          f"{_load(mc.get('load_avg_start'))}, at end {_load(mc.get('load_avg_end'))}.", ""]
     if results.get("note"):

@@ -76,7 +76,7 @@ def plan(cfg: SuiteConfig) -> list[Block]:
         blocks.append(Block(name="workload", workload=w, state_mb=50, world=2, methods=list(WORKLOAD_METHODS),
                             repeats=wreps, **win))
     blocks.append(Block(name="auto", workload="mlp", state_mb=200, world=2, methods=["none", "cfdist.auto"],
-                        k=k, warmup=12, steps=4 * k, repeats=greps + 1))
+                        k=k, warmup=12, steps=8 * k, repeats=greps + 1))
     for mb in (10, 50) + ((1000, 2000) if cfg.big else ()):
         blocks.append(Block(name="size", workload="mlp", state_mb=mb, world=2, methods=list(GROWTH_METHODS),
                             repeats=greps, **win))
@@ -116,6 +116,8 @@ def filesystem(path: str) -> dict:
         line = subprocess.run(["df", "-PT", path], capture_output=True, text=True, check=True,
                               timeout=10).stdout.splitlines()[-1].split()
         out.update(device=line[0], type=line[1], size_gb=round(int(line[2]) / 2 ** 20, 1))
+        with open(f"/sys/class/block/{os.path.basename(line[0])}/queue/rotational") as f:
+            out["rotational"] = f.read().strip() == "1"   # virtual disks often say 1 whatever backs them
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
         pass
     return out
