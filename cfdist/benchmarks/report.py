@@ -45,7 +45,7 @@ def analyze_block(block: dict, cpu_ref_per_byte: float | None = None) -> dict:
     out = {"name": block["block"]["name"], "workload": block["block"]["workload"],
            "state_mb": block["block"]["state_mb"], "world": block["block"]["world"], "k": block["block"]["k"],
            "describe": block.get("info", {}).get("describe"), "state_bytes": state_bytes,
-           "steps": block["block"]["steps"],
+           "steps": block["block"].get("steps"),
            "phase_s": _med([statistics.median(r["phases"]) for r in none]), "methods": {}}
     for m, rs in by.items():
         stalls = [measure.outside_stall(r["phases"], r["checkpoints"]) for r in rs if r["checkpoints"]]

@@ -68,7 +68,7 @@ def synthetic_results() -> dict:
                  _run("torch.save", rep, ckpt(0.4), flags, 12.0, 6.0),
                  _run("cfdist", rep, ckpt(0.05), flags, 10.6 + rep * 0.1, 5.0,
                       stats={"bytes": 100_000_000, "mean_persist_s": 0.5, "errors": 0, "k": 2})]
-    block = {"block": {"name": "main", "workload": "mlp", "state_mb": 100, "world": 2, "k": 5},
+    block = {"block": {"name": "main", "workload": "mlp", "state_mb": 100, "world": 2, "k": 5, "steps": 10},
              "info": {"describe": "MLP"}, "runs": runs}
     n = 100_000_000
     micro = {"bytes": n, "workload": "mlp",
