@@ -186,3 +186,14 @@ def test_demo_summary_names_rank0_stall_share_not_overhead():
     assert "checkpoint overhead" not in text
     with pytest.warns(DeprecationWarning, match="stall_share"):
         assert r.overhead == 0.0125
+
+
+def test_auto_target_is_not_measured_when_no_checkpoint_fell_in_the_window():
+    res = synthetic_results()
+    flat = [0.1] * 10
+    runs = [_run("none", 0, flat, [False] * 10, 10.0, 4.0, state_bytes=100_000_000),
+            _run("cfdist.auto", 0, flat, [False] * 10, 10.1, 4.1, stats={"k": 43})]
+    res["blocks"].append({"block": {"name": "auto", "workload": "mlp", "state_mb": 100, "world": 2, "k": 5,
+                                    "steps": 10}, "info": {}, "runs": runs})
+    row = next(r for r in report.analyze(res)["targets"] if r["target"] == report.TARGETS["auto"])
+    assert row["met"] is None and "k=43: no checkpoint inside the 10-step window" in row["measured"]
