@@ -89,11 +89,14 @@ def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: 
         rel = f"{step_dir(step)}/{sh['file']}"
         where = st.url_of(rel)
         try:
-            raw = bytearray(st.read_bytes(rel))
+            raw = bytearray(st.read_bytes(rel))   # one writable copy: the tensors are views of it
         except FileNotFoundError:
             raise CheckpointError(f"{where} is missing") from None
-        start, hdr = parse_safetensors_header(bytes(raw[:min(len(raw), 100 << 20)]), where=where)
-        data = memoryview(raw)[start:]
+        view = memoryview(raw)
+        # only the header's bytes are copied for parsing (not the first 100 MB of tensors, twice)
+        n = int.from_bytes(view[:8], "little") if len(raw) >= 8 else 0
+        start, hdr = parse_safetensors_header(bytes(view[:8 + min(n, 100 << 20)]), where=where)
+        data = view[start:]
         for name in tnames:
             t = manifest["tensors"][name]
             h = hdr.get(name)
