@@ -197,3 +197,12 @@ def test_auto_target_is_not_measured_when_no_checkpoint_fell_in_the_window():
                                     "steps": 10}, "info": {}, "runs": runs})
     row = next(r for r in report.analyze(res)["targets"] if r["target"] == report.TARGETS["auto"])
     assert row["met"] is None and "k=43: no checkpoint inside the 10-step window" in row["measured"]
+
+
+def test_stall_target_is_not_met_when_workloads_were_skipped():
+    res = synthetic_results()
+    res["skipped"] = [{"name": "workload", "workload": "cnn", "state_mb": 50, "world": 2}]
+    a = report.analyze(res)
+    row = next(r for r in a["targets"] if r["target"] == report.TARGETS["stall"])
+    assert row["met"] is None and "not run: cnn" in row["measured"]
+    assert "**Not run**" in report.markdown(res, a)
