@@ -26,7 +26,6 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
-from cfdist.checkpoint.agreement import AgreementError
 from cfdist.checkpoint.format import MANIFEST, step_dir
 
 WORLD = 3
@@ -104,7 +103,7 @@ def _worker(rank, port, root, out):
         try:
             ckpt.wait()
             res["missing_error"] = None
-        except AgreementError as e:
+        except cfdist.AgreementError as e:
             res["missing_error"] = str(e)
         ckpt.close()
     finally:
