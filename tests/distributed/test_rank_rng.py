@@ -110,7 +110,7 @@ def _worker(rank, port, root, out):
 
         # ---- a notice reaching rank 2 only: every rank checkpoints the same step --------------
         model, opt, ckpt = _setup(rank, f"file://{root}/notice", every=1000, lookahead=2)
-        _train(model, opt, ckpt, rank, 10, on_step=lambda s: ckpt.request_save() if rank == 2 and s == 3 else None)
+        _train(model, opt, ckpt, rank, 10, on_step=lambda s: ckpt.request_save() if rank == 2 and s == 2 else None)
         ckpt.close()
         res["notice_checkpoints"] = ckpt.stats["checkpoints"] if rank == 0 else None
     finally:
@@ -139,8 +139,9 @@ def test_each_rank_resumes_its_own_rng_and_the_run_ends_bit_exact(tmp_path):
     assert "call ckpt.save() on every rank" in err
     assert cfdist.list_checkpoints(f"file://{tmp_path}/missing") == []   # nothing committed
 
-    # requested at step 3 on rank 2; rank 0 saw it at its window start 5 and scheduled window 7
+    # requested after step 2 on rank 2; rank 0 cannot finish step 3's backward before that, so at
+    # its window start 3 it sees the request and schedules the next window's first step, 5
     (notice,) = cfdist.list_checkpoints(f"file://{tmp_path}/notice")
-    assert notice["step"] == 7 and rs[0]["notice_checkpoints"] == 1
-    m = json.loads((tmp_path / "notice" / step_dir(7) / MANIFEST).read_text())
+    assert notice["step"] == 5 and rs[0]["notice_checkpoints"] == 1
+    m = json.loads((tmp_path / "notice" / step_dir(5) / MANIFEST).read_text())
     assert len(m["rngs"]) == WORLD   # every rank took it: every rank's RNG is in it
