@@ -180,6 +180,8 @@ def _register_ls(sub) -> None:
     p = sub.add_parser("ls", help="list the committed checkpoints of a storage URL")
     p.add_argument("storage", help="URL of a run directory (file://..., s3://...)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--all", action="store_true", help="also the checkpoints moved aside under rejected/ "
+                   "(a run rolled back past them); cfdist.load(url, step=N) still reads them")
     p.set_defaults(run=_run_ls)
 
 
@@ -191,7 +193,7 @@ def _run_ls(a) -> int:
 
     from cfdist.checkpoint import list_checkpoints
 
-    rows = list_checkpoints(a.storage)
+    rows = list_checkpoints(a.storage, include_rejected=a.all)
     if a.json:
         for r in rows:
             print(json.dumps(r))
@@ -200,12 +202,13 @@ def _run_ls(a) -> int:
         print(f"no committed checkpoint in {a.storage}")
         return 1
     t = Table(title=a.storage)
-    for col in ("step", "epoch", "epoch end", "committed", "bytes", "url"):
+    for col in ("step", "epoch", "epoch end", "committed", "bytes", "url") + (("moved aside because",) if a.all else ()):
         t.add_column(col)
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r.get("time") else "-"
+        why = (r["rejected"].get("why") or "?") if "rejected" in r else ""
         t.add_row(str(r["step"]), str(r["epoch"]), "yes" if r["epoch_end"] else "", when,
-                  f"{r['bytes']:,}" if r.get("bytes") is not None else "-", r["url"])
+                  f"{r['bytes']:,}" if r.get("bytes") is not None else "-", r["url"], *((why,) if a.all else ()))
     Console().print(t)
     return 0
 

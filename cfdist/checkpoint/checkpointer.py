@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cfdist.checkpoint import discovery, state as st
+from cfdist.checkpoint import discovery, retention, roots, state as st
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
+from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement
 from cfdist.storage import open_storages
@@ -53,12 +54,17 @@ class CheckpointerConfig:
     """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
     verify: bool = True
     """Check every tensor's checksum on restore."""
+    read_retry: RetryPolicy = RetryPolicy()
+    """How storage errors while listing or reading checkpoints are retried before restore raises
+    (they never make it fall back to an older checkpoint; see :mod:`cfdist.checkpoint.retry`)."""
 
     def __post_init__(self):
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ValueError(f"keep must be an int >= 1 (newest checkpoints to keep), got {self.keep!r}")
         if self.backend not in ("thread", "process"):
             raise ValueError(f"backend must be 'thread' or 'process', got {self.backend!r}")
+        if not isinstance(self.read_retry, RetryPolicy):
+            raise TypeError(f"read_retry must be a cfdist.checkpoint.retry.RetryPolicy, got {self.read_retry!r}")
 
 
 def _default_policy():
@@ -99,6 +105,8 @@ class Checkpointer:
         restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
             e.g. an in-memory tier before and a shared tier after the node-local one.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        read_retry: a :class:`~cfdist.checkpoint.retry.RetryPolicy` for storage errors while
+            restoring (default: 4 tries over about 1.75 s).
     """
 
     Config = CheckpointerConfig
@@ -106,10 +114,11 @@ class Checkpointer:
     def __init__(self, state: dict, storage, policy=None, *, keep: int = 1, keep_epoch_ends: bool = True,
                  rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
                  backend: str | PersistBackend = "thread", restore_from=None,
-                 storage_options: dict | None = None, verify: bool = True):
+                 storage_options: dict | None = None, verify: bool = True,
+                 read_retry: RetryPolicy | None = None):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
-                                         verify=verify)
+                                         verify=verify, read_retry=read_retry or RetryPolicy())
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
@@ -128,7 +137,9 @@ class Checkpointer:
             self.backend = backend
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory)
         if self.writer:
-            discovery.sweep(self.storages)
+            discovery.sweep(self.storages)   # refuses a reordered list or an empty root 0 first
+        else:
+            roots.check(self.storages, create=False)
         self._step = 0
         self._lock = threading.Lock()
         self._pending: dict | None = None      # snapshot taken, small state not yet captured
@@ -140,7 +151,10 @@ class Checkpointer:
         self._persist_done: tuple[float, int] | None = None
         self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0,
                            persist_s=0.0, bytes=0, last_error=None)
-        latest = discovery.find_latest([self.storages])
+        # This run's lineage (retention deletes only its ancestors); restore() replaces it.
+        self._lineage = retention.new_lineage()
+        self._rolled_back: dict[int, str] = {}   # step -> why restore rolled back past it
+        latest = discovery.find_latest([self.storages], retry=self.config.read_retry)
         self.latest_step: int | None = latest.step if latest else None
         self._hooks = []
         self._fetch_hooked = False   # a data iterator calls _on_boundary before each fetch
@@ -408,10 +422,10 @@ class Checkpointer:
                                nbytes=self._snap.host[i].nbytes, entries=es, arena_path=self._snap.host[i].path)
                       for i, es in enumerate(self._snap.layout)]
             manifest = {"epoch": p["epoch"], "epoch_end": p["epoch_end"], "world_size": self.world_size,
-                        "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"]}
+                        "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"], "lineage": self._lineage}
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
-                             arenas=[a.buf for a in self._snap.host])
+                             arenas=[a.buf for a in self._snap.host], rolled_back=dict(self._rolled_back) or None)
             self._inflight = self.backend.submit(job)   # non-blocking by the backend protocol
 
     def _record_error(self, e: BaseException, step: int) -> None:
@@ -435,6 +449,7 @@ class Checkpointer:
             self._record_error(e, getattr(p, "step", -1))
             return
         self.latest_step = info.step
+        self._rolled_back = {}   # recorded by that commit's retention
         self._stats["checkpoints"] += 1
         self._stats["persist_s"] += info.seconds
         self._stats["bytes"] = info.bytes
@@ -451,34 +466,31 @@ class Checkpointer:
         Returns the restored step (the number of optimizer steps done), or None if there is
         no checkpoint at all. Call before training, on every rank.
         """
-        cands = discovery.candidates(self.tiers)
-        if step is not None:
-            cands = [c for c in cands if c.step == step]
-            if not cands:
-                raise CheckpointError(f"step {step} is not committed in any of "
-                                      f"{[t[0].url for t in self.tiers]}")
-        if not cands:
+        found = discovery.load_newest(self.tiers, step=step, verify=self.config.verify,
+                                      retry=self.config.read_retry)
+        if found is None:
             return None
-        rejected = []
-        for c in cands:
-            try:
-                m, tensors = discovery.load_verified(c.storages, c.step, verify=self.config.verify)
-                saved, rng = discovery.decode_state(m, tensors, where=c.storages[0].url_of(step_dir(c.step)))
-            except (CheckpointError, OSError) as e:
-                rejected.append(f"step {c.step} in {c.storages[0].url}: {e}")
-                warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({e}); "
-                              f"falling back to an older one", RuntimeWarning, stacklevel=2)
-                continue
-            st.check_compatible(self.state, saved)
-            st.apply(self.state, saved)
-            st.set_rng_state(rng)
-            self._step = c.step
-            if self.latest_step is None or c.tier == 0:
-                self.latest_step = c.step if c.tier == 0 else self.latest_step
-            self._record_restart(c.step)
-            log.info("restored step %d from %s (tier %d)", c.step, c.storages[0].url_of(step_dir(c.step)), c.tier)
-            return c.step
-        raise CheckpointError("no usable checkpoint; found and rejected:\n  " + "\n  ".join(rejected))
+        c = found.candidate
+        st.check_compatible(self.state, found.state)
+        st.apply(self.state, found.state)
+        st.set_rng_state(found.rng)
+        self._step = c.step
+        self._note_rollback(found)
+        if self.latest_step is None or c.tier == 0:
+            self.latest_step = c.step if c.tier == 0 else self.latest_step
+        self._record_restart(c.step)
+        log.info("restored step %d from %s (tier %d)", c.step, c.storages[0].url_of(step_dir(c.step)), c.tier)
+        return c.step
+
+    def _note_rollback(self, found: "discovery.Loaded") -> None:
+        """Continue the restored checkpoint's lineage; remember why newer ones were passed over
+        (the first commit moves them aside with that reason, see ``retention.apply``)."""
+        c = found.candidate
+        self._lineage = retention.after_restore(found.manifest, c.step)
+        self._rolled_back = {r.step: f"restore rejected it: {why}" for r, why in found.rejected
+                             if r.tier == 0 and r.rejected is None}
+        for s in found.passed:
+            self._rolled_back.setdefault(s, f"restore(step={c.step}) chose an older step")
 
     def _record_restart(self, step: int) -> None:
         if not self.writer:

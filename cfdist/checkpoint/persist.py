@@ -3,16 +3,16 @@
 :func:`write_checkpoint` is the whole protocol and runs in any process (the training process's
 writer thread, a writer subprocess, a Ray node actor):
 
-0. a step directory of the same number, left by a run that rolled back past it, is un-committed
-   and removed (the previous checkpoint, older, stays);
+0. a committed step directory of the same number, left by a run that rolled back past it, is
+   moved aside to ``rejected/`` (never deleted; an uncommitted leftover is removed);
 1. every shard is streamed from its arena into ``<staging>/shard-i-of-n.safetensors`` on its
    root (roots in parallel), computing each tensor's xxh3-64 on the way; files are fsynced;
 2. the secondary roots' step directories are published (a rename locally);
 3. ``MANIFEST.json`` is written into root 0's staging directory and fsynced, and that directory
    is published: **this is the commit**. On object stores there is no rename: the manifest
    PUT, written last, is the commit marker;
-4. only then retention deletes older checkpoints (never the one just committed), and newer-
-   numbered ones of a rolled-back run.
+4. only then retention deletes older checkpoints of the same lineage (never the one just
+   committed) and moves the ones it does not descend from aside.
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cfdist.checkpoint import retention
+from cfdist.checkpoint import rejected, retention
 from cfdist.checkpoint.format import (
     FORMAT, MANIFEST, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
 )
@@ -76,6 +76,8 @@ class PersistJob:
     keep_epoch_ends: bool = True
     arenas: list[torch.Tensor] | None = field(default=None, repr=False)
     """In-process arenas (uint8 tensors); dropped when pickled."""
+    rolled_back: dict[int, str] | None = None
+    """Why restore rolled back past some committed steps (recorded when they are moved aside)."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -116,11 +118,10 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     """
     t0 = time.perf_counter()
     final = step_dir(job.step)
-    if any(st.exists(final) for st in storages):
-        # Left by a run that rolled back past this step (restore rejected or skipped it): it
-        # would block the publish, and on object stores new shards would land under its manifest.
-        log.warning("replacing step %d in %s, left by a run that rolled back past it", job.step, storages[0].url)
-        retention.delete_checkpoint(storages, job.step)
+    # Left by a run that rolled back past this step: it would block the publish, and on object
+    # stores new shards would land under its manifest. Moved aside, never deleted.
+    rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
+        job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
     arenas = job.arenas
     if arenas is None:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]
@@ -160,7 +161,8 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     storages[0].publish(staging[0], final)  # == COMMIT
     seconds = time.perf_counter() - t0
     deleted = retention.apply(storages, keep=job.keep, keep_epoch_ends=job.keep_epoch_ends,
-                              newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")))
+                              newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")),
+                              reasons=job.rolled_back)
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
     return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total, seconds=seconds,
                       deleted=tuple(deleted))
