@@ -163,7 +163,8 @@ def decode_state(manifest: dict, tensors: dict[str, torch.Tensor], *, where: str
             raise TypeError(f"the state is a {type(state).__name__}, not a dict")
         state.update(unflatten(manifest.get("late", {}), {}))
         rng = unflatten(manifest.get("rng", {}), {})
-    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+    except (LookupError, ValueError, TypeError, AttributeError, OverflowError, RuntimeError) as e:
+        # RuntimeError includes RecursionError (a skeleton nested too deeply)
         raise CheckpointError(f"{where}: the manifest's state skeleton is malformed "
                               f"({type(e).__name__}: {e})") from None
     return state, rng

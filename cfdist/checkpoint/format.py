@@ -203,7 +203,10 @@ def _is_count(v: object) -> bool:
 
 
 def _is_shape(v: object) -> bool:
-    return isinstance(v, list) and len(v) <= 64 and all(_is_count(d) for d in v)
+    """A list of at most 64 counts whose product (zeros counted as 1) fits an int64, so torch's
+    size and stride arithmetic cannot overflow even for an empty tensor."""
+    return (isinstance(v, list) and len(v) <= 64 and all(_is_count(d) for d in v)
+            and math.prod(max(d, 1) for d in v) < _INT64)
 
 
 def _nbytes(dtype: str, shape: list[int]) -> int:
