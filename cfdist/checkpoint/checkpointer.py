@@ -36,6 +36,7 @@ from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement
 from cfdist.storage import open_storages
+from cfdist.storage.redact import redact
 
 log = logging.getLogger("cfdist.checkpointer")
 
@@ -430,11 +431,11 @@ class Checkpointer:
 
     def _record_error(self, e: BaseException, step: int) -> None:
         self._stats["errors"] += 1
-        self._stats["last_error"] = f"{type(e).__name__}: {e}"
+        self._stats["last_error"] = redact(f"{type(e).__name__}: {e}")
         self._error = e
         log.error("persisting step %d to %s failed: %s; training continues, the previous checkpoint "
-                  "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url, e,
-                  self.latest_step)
+                  "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url,
+                  redact(e), self.latest_step)
 
     def _harvest(self) -> None:
         """Collect a finished persist (non-blocking)."""

@@ -73,7 +73,7 @@ def _read_inside(st: Storage, step: int, name: str) -> bytes:
     content error: nothing outside a checkpoint's own directory is ever read.
     """
     rel = f"{step_dir(step)}/{name}"
-    if st.is_local:
+    if getattr(st, "is_local", False):   # (a frozen in-memory copy has no paths)
         want = os.path.join(os.path.realpath(st.root), step_dir(step), name)
         real = os.path.realpath(st.path(rel))
         if real != want and os.path.lexists(st.path(rel)):

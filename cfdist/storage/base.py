@@ -102,6 +102,7 @@ class Storage:
         self.protocol = protocol
         self.is_local = protocol in ("file", "local")
         self.atomic_rename = protocol not in _NO_ATOMIC_RENAME and not self._is_object_like(fs)
+        self._secrets: frozenset[str] = frozenset()   # set by open_storage; scrubbed from messages
         # Object stores create nothing at open time: check the bucket on first use instead.
         self._root_checked = self.atomic_rename
 
@@ -139,6 +140,10 @@ class Storage:
         done = f" after {after} bytes" if after is not None else ""
         hint = _HINTS.get(code) if isinstance(code, int) else None
         msg = f"{doing} {self.url_of(rel)} failed{done}: {reason}" + (f"; {hint}" if hint else "")
+        if getattr(self, "_secrets", None) or "@" in msg:
+            from cfdist.storage.redact import redact
+
+            msg = redact(msg, getattr(self, "_secrets", frozenset()))   # a backend's message may quote one
         return StorageError(code, msg) if isinstance(code, int) else StorageError(msg)
 
     def _ready(self) -> None:
