@@ -23,14 +23,13 @@ import json
 import logging
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from cfdist.checkpoint import discovery, retention, roots, state as st
 from cfdist.checkpoint.flatten import flatten
-from cfdist.checkpoint.format import CheckpointError, step_dir
+from cfdist.checkpoint.format import step_dir
 from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
 from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
@@ -132,7 +131,8 @@ class Checkpointer:
         if not (hasattr(self.policy, "should_checkpoint") and hasattr(self.policy, "observe")):
             raise TypeError(f"policy must be a cfdist policy (Every, EveryEpoch, Auto), got {self.policy!r}")
         if isinstance(backend, str):
-            self.backend: PersistBackend = (ProcessBackend(self.storages, storage_options)
+            # the filesystem's own options: storage_options plus any credentials taken from the URL
+            self.backend: PersistBackend = (ProcessBackend(self.storages, dict(self.storages[0].fs.storage_options))
                                             if backend == "process" else ThreadBackend(self.storages))
         else:
             self.backend = backend
@@ -461,9 +461,14 @@ class Checkpointer:
     def restore(self, step: int | None = None) -> int | None:
         """Load the newest committed checkpoint that verifies into the live objects.
 
-        Searches ``storage`` and ``restore_from`` (ties go to the earlier tier). A corrupted
-        checkpoint is skipped with a warning naming the file and checksums; a checkpoint that
-        does not fit the live objects raises ``CheckpointError`` listing the differences.
+        Searches ``storage`` and ``restore_from`` (ties go to the earlier tier). A checkpoint
+        whose content is bad (checksum, truncation, malformed manifest) is skipped with a
+        warning naming the file and checksums; the first commit afterwards moves it aside to
+        ``rejected/`` (never deleted). A storage error (``OSError``) is retried per
+        ``read_retry`` and then raised as ``StorageUnavailable`` naming the URL and the step:
+        it never makes restore fall back. A checkpoint that does not fit the live objects
+        raises ``CheckpointError`` listing the differences. ``step``: that step, also from
+        ``rejected/`` when no tier has it live; newer ones are moved aside by the first commit.
         Returns the restored step (the number of optimizer steps done), or None if there is
         no checkpoint at all. Call before training, on every rank.
         """

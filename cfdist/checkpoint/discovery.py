@@ -320,19 +320,22 @@ def _open_checked(storage, storage_options: dict) -> list[Storage]:
 def list_checkpoints(storage, *, include_rejected: bool = False, **storage_options) -> list[dict]:
     """Committed checkpoints in ``storage`` (URL or list of URLs), oldest first.
 
-    Each: ``{"step", "epoch", "epoch_end", "time", "bytes", "url"}``. Reads only manifests.
+    Each: ``{"step", "epoch", "epoch_end", "time", "bytes", "url"}``. Reads only manifests; a
+    manifest whose content is bad is left out with a warning, a storage error is retried and
+    then raised (``StorageUnavailable``).
     ``include_rejected``: also the checkpoints moved aside under ``rejected/`` (a run rolled back
     past them), each with ``"rejected": {"why", "when", "replaced_by"}``; ``load(url, step=...)``
     still reads them.
     """
     sts = _open_checked(storage, storage_options)
     out = []
-    found = [Candidate(s, 0, sts) for s in committed_steps(sts[0])]
+    found = candidates([sts])
     if include_rejected:
-        found += rejected_candidates([sts])
+        found += retrying(lambda: rejected_candidates([sts]), what=f"listing {sts[0].url_of('rejected')}")
     for c in sorted(found, key=lambda c: (c.step, c.rejected is None)):
         try:
-            m = read_manifest(c.storages, c.step)
+            m = retrying(lambda c=c: read_manifest(c.storages, c.step),
+                         what=f"reading the manifest of step {c.step} in {c.storages[0].url}")
         except CheckpointError as e:
             log.warning("%s", e)
             continue

@@ -27,16 +27,9 @@ SHARD = "shard-00000-of-00001.safetensors"
 
 
 @pytest.fixture
-def run40(tmp_path, mlp_state, train):
+def run40(committed_run):
     """``(url, root)`` holding committed steps 35 and 40 (``Every(5)``, ``keep=2``)."""
-    root = tmp_path / "ckpt"
-    url = f"file://{root}"
-    model, opt, sched = mlp_state()
-    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(5), keep=2)
-    train(model, opt, ckpt, 40, sched)
-    ckpt.close()
-    assert [c["step"] for c in cfdist.list_checkpoints(url)] == [35, 40]
-    return url, root
+    return committed_run(5, 40)
 
 
 def fresh(storage, mlp_state, **kw):
@@ -198,3 +191,30 @@ def test_a_new_run_in_the_same_directory_moves_the_old_run_aside(run40, mlp_stat
     assert aside == [35, 40]
     shards = [p for p in (root / REJECTED).rglob("*.safetensors") if SHARD_RE.match(p.name)]
     assert len(shards) == 2
+
+
+def test_copying_to_a_tier_that_holds_another_checkpoint_of_the_step_moves_it_aside(run40, mlp_state, train, tmp_path):
+    """The shared tier holds step 40 of a run that was rolled back; the new run's step 40 arrives.
+
+    Real: ``transfer.freeze``/``commit_frozen`` (what node actors use for the shared tier and
+    peer copies) between two file:// tiers. Faked: nothing.
+    The point: the same checkpoint again is not rewritten (False); a different one of the same
+    step moves the old one aside (REASON names the source) and commits the new one.
+    """
+    from cfdist.cluster import transfer
+
+    url, _ = run40
+    shared = [open_storage(f"file://{tmp_path / 'shared'}")]
+    src = [open_storage(url)]
+    assert transfer.commit_frozen(transfer.freeze(src, 40), 40, shared, source="node a", keep=2)
+    assert not transfer.commit_frozen(transfer.freeze(src, 40), 40, shared, source="node a", keep=2)
+    old = cfdist.load(shared[0].url, step=40)["state"]["model"]
+    ckpt = fresh(url, mlp_state)
+    assert restore(ckpt, step=35)[0] == 35
+    train(ckpt.state["model"], ckpt.state["optim"], ckpt, 5, ckpt.state["sched"])   # a new step 40
+    ckpt.close()
+    assert transfer.commit_frozen(transfer.freeze(src, 40), 40, shared, source="node b", keep=2)
+    new = cfdist.load(shared[0].url, step=40)["state"]["model"]
+    assert not all(torch.equal(old[k], new[k]) for k in old)
+    aside = [c for c in cfdist.list_checkpoints(shared[0].url, include_rejected=True) if "rejected" in c]
+    assert [c["step"] for c in aside] == [40] and "arrived from node b" in aside[0]["rejected"]["why"]
