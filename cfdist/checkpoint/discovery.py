@@ -230,6 +230,8 @@ class Loaded:
     """``(candidate, why)`` of newer checkpoints whose content was unusable (CheckpointError)."""
     passed: list[int] = field(default_factory=list)
     """Newer steps committed in the first tier that were not tried (a ``step`` was asked for)."""
+    extra: object = None
+    """What ``load_first``'s ``extra`` check returned for this checkpoint."""
 
 
 def _load_one(c: Candidate, verify: bool) -> tuple[dict, dict, dict]:
@@ -243,17 +245,50 @@ def _warn(c: Candidate, why: str) -> None:
                   f"falling back to an older one", RuntimeWarning, stacklevel=4)
 
 
+def load_first(cands: list[Candidate], *, verify: bool = True, retry: RetryPolicy | None = None,
+               on_reject: Callable[[Candidate, str], None] = _warn,
+               extra: Callable[[Candidate, dict], object] | None = None
+               ) -> tuple[Loaded | None, list[tuple[Candidate, str]]]:
+    """Load the first of ``cands`` whose content verifies: the candidate loop of every restore.
+
+    A content error (``CheckpointError``, also from ``extra(candidate, manifest)``, a further
+    check whose result lands in ``Loaded.extra``) rejects that candidate (``on_reject(candidate,
+    why)``, by default a ``RuntimeWarning`` naming the file and checksums) and the next one is
+    tried. A storage error (``OSError``) is retried per ``retry`` and then raised as
+    :class:`~cfdist.checkpoint.retry.StorageUnavailable` naming the URL and the step: nothing is
+    rolled back past a checkpoint that may be intact. Returns ``(loaded or None, rejected)``.
+    """
+    rejected: list[tuple[Candidate, str]] = []
+    for c in cands:
+        where = c.storages[0].url_of(step_dir(c.step))
+        try:
+            m, state, rng = retrying(lambda c=c: _load_one(c, verify), policy=retry,
+                                     what=f"reading step {c.step} from {where}")
+            more = extra(c, m) if extra is not None else None
+        except CheckpointError as e:
+            rejected.append((c, str(e)))
+            on_reject(c, str(e))
+            continue
+        if c.rejected is not None:
+            log.warning("loaded step %d from %s, a checkpoint moved aside earlier", c.step, where)
+        return Loaded(c, m, state, rng, list(rejected), extra=more), rejected
+    return None, rejected
+
+
+def with_rejected(tiers: list[list[Storage]], cands: list[Candidate], step: int) -> list[Candidate]:
+    """``cands`` plus, when no tier holds ``step`` live, its copies moved aside (``rejected/``)."""
+    if any(c.step == step for c in cands):
+        return cands
+    return cands + rejected_candidates(tiers, step)
+
+
 def load_newest(tiers: list[list[Storage]], *, step: int | None = None, verify: bool = True,
                 retry: RetryPolicy | None = None,
                 on_reject: Callable[[Candidate, str], None] = _warn) -> Loaded | None:
     """Load the newest committed checkpoint whose content verifies (or ``step``), into CPU tensors.
 
-    The candidate loop of every restore. A content error (``CheckpointError``) rejects that
-    checkpoint (``on_reject(candidate, why)``, by default a ``RuntimeWarning`` naming the file
-    and checksums) and the next older one is tried; a storage error (``OSError``) is retried per
-    ``retry`` and then raised as :class:`~cfdist.checkpoint.retry.StorageUnavailable` naming the
-    URL and the step: nothing is rolled back past a checkpoint that may be intact.
-
+    One process's restore (``Checkpointer.restore`` adds the agreement between ranks): see
+    :func:`load_first` for content errors (fall back) and storage errors (retry, then raise).
     ``step``: only that step (any tier holding it, ties to the earlier tier); when no tier holds
     it committed, its copies moved aside under ``rejected/`` are tried (most recent first).
     Returns None when there is no checkpoint at all; raises ``CheckpointError`` when there are
@@ -263,23 +298,14 @@ def load_newest(tiers: list[list[Storage]], *, step: int | None = None, verify: 
     passed = []
     if step is not None:
         passed = sorted({c.step for c in cands if c.step > step and c.tier == 0})
-        cands = [c for c in cands if c.step == step] or rejected_candidates(tiers, step)
+        cands = [c for c in with_rejected(tiers, cands, step) if c.step == step]
         if not cands:
             raise CheckpointError(f"step {step} is not committed in any of {[t[0].url for t in tiers]}, "
                                   f"nor moved aside under their rejected/ folders")
-    rejected: list[tuple[Candidate, str]] = []
-    for c in cands:
-        where = c.storages[0].url_of(step_dir(c.step))
-        try:
-            m, state, rng = retrying(lambda c=c: _load_one(c, verify), policy=retry,
-                                     what=f"reading step {c.step} from {where}")
-        except CheckpointError as e:
-            rejected.append((c, str(e)))
-            on_reject(c, str(e))
-            continue
-        if c.rejected is not None:
-            log.warning("loaded step %d from %s, a checkpoint moved aside earlier", c.step, where)
-        return Loaded(c, m, state, rng, rejected, passed)
+    found, rejected = load_first(cands, verify=verify, retry=retry, on_reject=on_reject)
+    if found is not None:
+        found.passed = passed
+        return found
     if not rejected:
         return None
     raise CheckpointError("no usable checkpoint; found and rejected:\n  " +
