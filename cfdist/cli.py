@@ -192,6 +192,7 @@ def _run_ls(a) -> int:
     from rich.table import Table
 
     from cfdist.checkpoint import list_checkpoints
+    from cfdist.storage.redact import redact_url
 
     rows = list_checkpoints(a.storage, include_rejected=a.all)
     if a.json:
@@ -199,9 +200,9 @@ def _run_ls(a) -> int:
             print(json.dumps(r))
         return 0
     if not rows:
-        print(f"no committed checkpoint in {a.storage}")
+        print(f"no committed checkpoint in {redact_url(a.storage)}")
         return 1
-    t = Table(title=a.storage)
+    t = Table(title=redact_url(a.storage))
     for col in ("step", "epoch", "epoch end", "committed", "bytes", "url") + (("moved aside because",) if a.all else ()):
         t.add_column(col)
     for r in rows:
@@ -263,7 +264,7 @@ def _run_inspect(a) -> int:
     if step is None:
         steps = committed_steps(sts[0])
         if not steps:
-            return _fail(f"no committed checkpoint in {root}")
+            return _fail(f"no committed checkpoint in {sts[0].url}")
         step = steps[-1]
     try:
         summary = summarize_manifest(read_manifest(sts, step))
@@ -275,7 +276,7 @@ def _run_inspect(a) -> int:
     if a.json:
         print(json.dumps(summary))
         return 0
-    t = Table(title=f"{root}/step-{step:09d}")
+    t = Table(title=f"{sts[0].url}/step-{step:09d}")
     t.add_column("state entry")
     t.add_column("tensors", justify="right")
     t.add_column("bytes", justify="right")
