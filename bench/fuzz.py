@@ -137,20 +137,30 @@ def run_hypothesis(args, counts, findings):
     conf = settings(max_examples=per, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
 
-    def counted(name, fn):
-        def run(*a, **kw):
-            counts[name] = counts.get(name, 0) + 1
-            fn(*a, **kw)
-        return run
+    def count(name):
+        counts[name] = counts.get(name, 0) + 1
 
-    tests = [
-        ("manifest_bytes", given(ft.MANIFEST_BYTES)(counted("manifest_bytes", ft.manifest_bytes))),
-        ("manifest_object", given(ft.mutated_manifest(), st.booleans())(
-            counted("manifest_object", lambda m, s: ft.manifest_object(m, seal=s)))),
-        ("shard_bytes", given(ft.SHARD_BYTES)(counted("shard_bytes", ft.shard_bytes))),
-        ("header_object", given(ft.forged_header(), st.booleans())(
-            counted("header_object", lambda h, s: ft.header_object(*h, sync_manifest=s)))),
-    ]
+    @given(ft.MANIFEST_BYTES)
+    def manifest_bytes(raw):
+        count("manifest_bytes")
+        ft.manifest_bytes(raw)
+
+    @given(ft.mutated_manifest(), st.booleans())
+    def manifest_object(m, seal):
+        count("manifest_object")
+        ft.manifest_object(m, seal=seal)
+
+    @given(ft.SHARD_BYTES)
+    def shard_bytes(shard):
+        count("shard_bytes")
+        ft.shard_bytes(shard)
+
+    @given(ft.forged_header(), st.booleans())
+    def header_object(hdr, sync):
+        count("header_object")
+        ft.header_object(*hdr, sync_manifest=sync)
+
+    tests = [(f.__name__, f) for f in (manifest_bytes, manifest_object, shard_bytes, header_object)]
     for name, t in tests:
         try:
             conf(t)()
