@@ -17,69 +17,20 @@ import pytest
 import torch
 
 import cfdist
+from bench.bench_codecs import DLRM, Clicks, TwoOptim, dlrm_state, train_steps   # the benchmark's workload
 from cfdist.codecs import Incremental, LCDelta, LossyCheckpointWarning, Quantize, Zstd
 
 ROWS, DIM = 20_000, 16
-
-
-class DLRM(torch.nn.Module):
-    def __init__(self, seed=0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.embedding_a = torch.nn.Embedding(ROWS, DIM, sparse=True)
-        self.embedding_b = torch.nn.Embedding(ROWS, DIM, sparse=True)
-        for e in (self.embedding_a, self.embedding_b):
-            torch.nn.init.normal_(e.weight, 0, 0.1, generator=g)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(2 * DIM + 4, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-
-    def forward(self, ia, ib, dense):
-        return self.mlp(torch.cat([self.embedding_a(ia), self.embedding_b(ib), dense], 1)).squeeze(1)
-
-
-class Optim:
-    """SparseAdam for the tables (touches only the rows of the batch), Adam for the MLP."""
-
-    def __init__(self, m):
-        self.sparse = torch.optim.SparseAdam([m.embedding_a.weight, m.embedding_b.weight], lr=0.01)
-        self.dense = torch.optim.Adam(m.mlp.parameters(), lr=0.01)
-
-    def step(self):
-        self.sparse.step()
-        self.dense.step()
-
-    def zero_grad(self):
-        self.sparse.zero_grad()
-        self.dense.zero_grad()
-
-
-def clicks(step, batch=64):
-    g = torch.Generator().manual_seed(step)
-    ia = (torch.rand(batch, generator=g) ** 3 * ROWS).long()     # skewed: popular rows repeat
-    ib = torch.randint(0, ROWS, (batch,), generator=g)
-    dense = torch.randn(batch, 4, generator=g)
-    y = ((ia % 7 < 3) ^ (dense[:, 0] > 0)).float()
-    return ia, ib, dense, y
+DATA = Clicks(2, ROWS, 64)
 
 
 def make(seed=0):
-    torch.manual_seed(seed)
-    m = DLRM(seed)
-    return m, Optim(m)
+    m = DLRM(2, ROWS, DIM, seed=seed)
+    return m, TwoOptim(m)
 
 
 def train(m, opt, ckpt, start, n):
-    loss = None
-    for s in range(start, start + n):
-        ia, ib, dense, y = clicks(s)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(m(ia, ib, dense), y)
-        loss.backward()
-        ckpt.step(opt) if ckpt is not None else opt.step()
-        opt.zero_grad()
-    return float(loss.detach())
-
-
-def state_of(m, opt):
-    return {"model": m, "sparse": opt.sparse, "dense": opt.dense}
+    return train_steps(m, opt, DATA, ckpt, start, n)[-1]
 
 
 def step_bytes(root: pathlib.Path) -> dict[int, int]:
@@ -90,7 +41,7 @@ def step_bytes(root: pathlib.Path) -> dict[int, int]:
 def run(tmp_path, name, codecs, steps=30, k=5, keep=100):
     root = tmp_path / name
     m, opt = make()
-    ck = cfdist.Checkpointer(state_of(m, opt), f"file://{root}", cfdist.Every(k), keep=keep, codecs=codecs)
+    ck = cfdist.Checkpointer(dlrm_state(m, opt), f"file://{root}", cfdist.Every(k), keep=keep, codecs=codecs)
     train(m, opt, ck, 0, steps)
     ck.close()
     return root, m, opt, ck.stats
@@ -116,7 +67,7 @@ def test_a_lossless_chain_resumes_bit_exact(tmp_path):
     codecs = [Incremental(full_every=4, variant="consecutive"), Zstd(level=1)]
     root, m, opt, _ = run(tmp_path, "lossless", codecs, steps=20, k=2)
     m2, opt2 = make(seed=7)
-    ck = cfdist.Checkpointer(state_of(m2, opt2), f"file://{root}", cfdist.Every(2), codecs=codecs)
+    ck = cfdist.Checkpointer(dlrm_state(m2, opt2), f"file://{root}", cfdist.Every(2), codecs=codecs)
     with warnings.catch_warnings():
         warnings.simplefilter("error", LossyCheckpointWarning)
         assert ck.restore() == 20
@@ -135,14 +86,14 @@ def test_a_lossy_resume_warns_once_and_trains_to_the_uninterrupted_loss(tmp_path
     0.05 of the uninterrupted run's (both are means over the last 10 steps)."""
     codecs = [Incremental(full_every=10), Quantize(bits=4, match="*embedding*")]
     root, m_ref, opt_ref, _ = run(tmp_path, "lossy", codecs, steps=30)
-    at_30 = m_ref.embedding_a.weight.detach().clone()
+    at_30 = m_ref.embedding[0].weight.detach().clone()
     ref_losses = [train(m_ref, opt_ref, None, s, 1) for s in range(30, 80)]
     m, opt = make(seed=3)
-    ck = cfdist.Checkpointer(state_of(m, opt), f"file://{root}", cfdist.Every(5), codecs=codecs)
+    ck = cfdist.Checkpointer(dlrm_state(m, opt), f"file://{root}", cfdist.Every(5), codecs=codecs)
     with pytest.warns(LossyCheckpointWarning) as rec:
         assert ck.restore() == 30
     assert len([w for w in rec if issubclass(w.category, LossyCheckpointWarning)]) == 1
-    w_err = (m.embedding_a.weight.detach() - at_30).abs().max()
+    w_err = (m.embedding[0].weight.detach() - at_30).abs().max()
     assert 0 < w_err < 0.05           # 4 bits over a row's range (about 0.6) / 2
     losses = [train(m, opt, ck, s, 1) for s in range(30, 80)]
     ck.close()
@@ -157,7 +108,7 @@ def test_a_corrupt_increment_falls_back_to_the_newest_whole_chain(tmp_path):
     raw[-20] ^= 0xFF
     shard.write_bytes(bytes(raw))
     m, opt = make(seed=5)
-    ck = cfdist.Checkpointer(state_of(m, opt), f"file://{root}", cfdist.Every(5), codecs=codecs)
+    ck = cfdist.Checkpointer(dlrm_state(m, opt), f"file://{root}", cfdist.Every(5), codecs=codecs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert ck.restore() == 10
@@ -171,7 +122,7 @@ def test_the_writer_process_encodes_and_stats_count_logical_and_written_bytes(tm
     codecs = [Incremental(full_every=3), LCDelta(bits=3, match="model/mlp*"), Zstd(level=1)]
     root = tmp_path / "proc"
     m, opt = make()
-    ck = cfdist.Checkpointer(state_of(m, opt), f"file://{root}", cfdist.Every(5), keep=1, backend="process",
+    ck = cfdist.Checkpointer(dlrm_state(m, opt), f"file://{root}", cfdist.Every(5), keep=1, backend="process",
                              codecs=codecs)
     train(m, opt, ck, 0, 20)
     ck.close()
@@ -183,7 +134,7 @@ def test_the_writer_process_encodes_and_stats_count_logical_and_written_bytes(tm
     assert [d[0] for d in manifest["depends_on"]] == [5, 10, 15] and sorted(on_disk) == [5, 10, 15, 20]
     with pytest.warns(LossyCheckpointWarning, match="lcdelta"):
         got = cfdist.load(f"file://{root}", step=20)["state"]["model"]
-    assert torch.equal(got["embedding_a.weight"], m.embedding_a.weight.detach())
+    assert torch.equal(got["embedding.0.weight"], m.embedding[0].weight.detach())
     assert (got["mlp.0.weight"] - m.mlp[0].weight.detach()).abs().max() < 1e-2
 
 
@@ -194,5 +145,5 @@ def test_inspect_decodes_an_encoded_checkpoint(tmp_path, capsys):
     assert main(["inspect", f"file://{root}/step-000000010", "--verify", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["verified"] and out["depends_on"] == [5] and [c["name"] for c in out["codecs"]] == ["incremental", "zstd"]
-    assert out["state"]["model"]["bytes"] == 2 * ROWS * DIM * 4 + sum(
-        p.numel() * 4 for p in DLRM().mlp.parameters()) and out["bytes_stored"] < out["bytes"] / 3
+    assert out["state"]["model"]["bytes"] == sum(p.numel() * 4 for p in make()[0].parameters())
+    assert out["bytes_stored"] < out["bytes"] / 3
