@@ -7,7 +7,8 @@ persists: the writer thread, the writer process, or the node actor), because rea
 from storage at every checkpoint would cost more than writing the full tensor. Memory cost:
 one copy of every tensor the codec selects (for ``LCDelta`` up to two while a persist runs).
 
-The state is updated only after the checkpoint committed, so a failed persist leaves the
+A node actor writes its memory and local tiers as two chains (each tier's references are its
+own), so it encodes twice. The state is updated only after the checkpoint committed, so a failed persist leaves the
 reference pointing at the newest committed checkpoint. A checkpoint is encoded against
 a reference only when that reference is older than it and still committed; otherwise it is
 written in full (the first checkpoint of every process, after a layout change, after a

@@ -76,8 +76,12 @@ def unpack(b: np.ndarray, bits: int, n: int) -> np.ndarray:
 
 
 def _quantize(x: np.ndarray, lo: np.ndarray, scale: np.ndarray, levels: int) -> np.ndarray:
-    safe = np.where(scale > 0, scale, 1).astype(np.float32)
-    return np.clip(np.rint((x - lo[:, None]) / safe[:, None]), 0, levels).astype(np.uint8)
+    inv = np.where(scale > 0, 1 / np.where(scale > 0, scale, 1), 0).astype(np.float32)   # constant row: 0
+    y = x - lo[:, None]
+    y *= inv[:, None]
+    np.rint(y, out=y)
+    np.clip(y, 0, levels, out=y)
+    return y.astype(np.uint8)
 
 
 def _dequantize(q: np.ndarray, lo: np.ndarray, scale: np.ndarray) -> np.ndarray:

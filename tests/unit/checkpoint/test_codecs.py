@@ -171,7 +171,8 @@ def test_uniform_quantization_stays_within_half_a_step_per_row(url, dtype, nbits
     x = torch.from_numpy(rng.standard_normal((64, 33)) * rng.uniform(0.01, 10, (64, 1))).to(dtype)
     x[5] = 0.25                                     # a constant row: exact
     persist(url, 1, {"emb": x}, [Quantize(bits=nbits)])
-    got = read(url, 1)["emb"]
+    with pytest.warns(cfdist.codecs.LossyCheckpointWarning):
+        got = read(url, 1)["emb"]
     assert got.dtype == dtype and got.shape == x.shape
     xf = x.float().numpy()
     err = np.abs(got.float().numpy() - xf)
