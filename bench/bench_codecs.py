@@ -274,7 +274,7 @@ def lossy_resume(a, tmp: pathlib.Path) -> list[dict]:
 
 # ---- 5. LC-Checkpoint on a dense model ----------------------------------------------------------------
 
-def lc_checkpoint(a, tmp: pathlib.Path) -> dict:
+def lc_checkpoint(a, tmp: pathlib.Path, bits: int) -> dict:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, a.hidden), torch.nn.ReLU(), torch.nn.Linear(a.hidden, a.hidden),
                               torch.nn.ReLU(), torch.nn.Linear(a.hidden, 10))
@@ -283,7 +283,7 @@ def lc_checkpoint(a, tmp: pathlib.Path) -> dict:
     proj = torch.randn(64, 10, generator=g)
     root = tmp / "lc"
     ck = cfdist.Checkpointer({"model": net}, f"file://{root}", cfdist.Every(a.every), keep=10_000,
-                             codecs=[LCDelta(bits=3, full_every=None)])
+                             codecs=[LCDelta(bits=bits, full_every=None)])
     losses = []
     for s in range(a.lc_steps):
         x = torch.randn(128, 64, generator=torch.Generator().manual_seed(s))
@@ -307,7 +307,7 @@ def lc_checkpoint(a, tmp: pathlib.Path) -> dict:
         net.load_state_dict(restored)
         l_rest = float(torch.nn.functional.cross_entropy(net(x), y))
     shutil.rmtree(root)
-    return {"params": logical // 4, "checkpoints": len(ratios) + 1, "ratio_min": min(ratios),
+    return {"bits": bits, "params": logical // 4, "checkpoints": len(ratios) + 1, "ratio_min": min(ratios),
             "ratio_median": float(np.median(ratios)), "ratio_max": max(ratios), "max_abs_error": err,
             "heldout_loss_live": l_live, "heldout_loss_restored": l_rest}
 
@@ -324,6 +324,7 @@ def main(argv=None) -> None:
     ap.add_argument("--restore-every", type=int, default=50)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--lc-steps", type=int, default=200)
+    ap.add_argument("--lc-bits", default="1,2,3", help="LCDelta bit widths to compare")
     ap.add_argument("--tp-rows", type=int, default=200_000, help="table rows for the throughput section")
     ap.add_argument("--sections", default="throughput,bytes,resume,lc")
     ap.add_argument("--json", help="also write the figures to this file")
@@ -361,11 +362,14 @@ def main(argv=None) -> None:
                       f"{r['uninterrupted_final_loss']:.4f} uninterrupted (gap {r['loss_gap']:+.4f}), "
                       f"extra iterations to reach it: {r['extra_iterations']}")
         if "lc" in a.sections:
-            res["lc"] = r = lc_checkpoint(a, tmp)
-            print(f"\n5. LCDelta(bits=3) on a dense MLP ({r['params']:,} params, SGD momentum, k={a.every}, "
-                  f"{r['checkpoints']} checkpoints): ratio min {r['ratio_min']:.1f}x median "
-                  f"{r['ratio_median']:.1f}x max {r['ratio_max']:.1f}x; max |error| {r['max_abs_error']:.2e}; "
-                  f"held-out loss {r['heldout_loss_restored']:.4f} restored vs {r['heldout_loss_live']:.4f} live")
+            res["lc"] = [lc_checkpoint(a, tmp, int(b)) for b in a.lc_bits.split(",")]
+            r = res["lc"][0]
+            print(f"\n5. LCDelta on a dense MLP ({r['params']:,} params, SGD momentum, k={a.every}, "
+                  f"{r['checkpoints']} checkpoints, one chain)")
+            for r in res["lc"]:
+                print(f"bits={r['bits']}: ratio min {r['ratio_min']:.1f}x median {r['ratio_median']:.1f}x max "
+                      f"{r['ratio_max']:.1f}x; max |error| {r['max_abs_error']:.2e}; held-out loss "
+                      f"{r['heldout_loss_restored']:.4f} restored vs {r['heldout_loss_live']:.4f} live")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if a.json:

@@ -59,7 +59,7 @@ def canonical_codes(lens: np.ndarray) -> np.ndarray:
 
 
 def block_size(n: int) -> int:
-    return max(64, math.isqrt(max(n, 1)))
+    return 2 * max(32, math.isqrt(max(n, 1)) // 2)      # even: blocks start on a symbol pair
 
 
 def encode(sym: np.ndarray, nsym: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -67,24 +67,41 @@ def encode(sym: np.ndarray, nsym: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     sym = np.ascontiguousarray(sym, dtype=np.uint8).ravel()
     n = len(sym)
     lens = code_lengths(np.bincount(sym, minlength=nsym))
-    codes = canonical_codes(lens)
-    L = lens[sym].astype(np.int64)
+    codes = canonical_codes(lens).astype(np.uint64)
+    block = block_size(n)
+    if n == 0:
+        return lens, np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64), block
+    # Symbols are coded in pairs (at most 2 * MAX_LEN = 32 bits per pair): half the elements.
+    k = len(lens)
+    pair_len = (lens[:, None].astype(np.int64) + lens[None, :]).ravel()
+    pair_code = ((codes[:, None] << lens[None, :].astype(np.uint64)) | codes[None, :]).ravel()
+    padded = np.concatenate([sym, np.zeros(n % 2, dtype=np.uint8)])
+    if n % 2:
+        pair_len = pair_len.copy()
+    pairs = padded[0::2].astype(np.int64) * k + padded[1::2]
+    L = pair_len[pairs]
+    if n % 2:   # the padding symbol contributes no bits
+        L[-1] = lens[sym[-1]]
     end = np.cumsum(L)
     pos = end - L
-    total = int(end[-1]) if n else 0
+    total = int(end[-1])
     # Codes never overlap, so each one is added into the 32-bit big-endian words it straddles
     # (bincount sums in float64: exact below 2^53).
-    nw = total // 32 + 2
-    words = np.zeros(nw, dtype=np.uint64)
-    for a in range(0, n, _CHUNK):
+    nw = total // 32 + 3
+    words = np.zeros(nw, dtype=np.float64)
+    for a in range(0, len(pairs), _CHUNK):
         Lc, Pc = L[a:a + _CHUNK].astype(np.uint64), pos[a:a + _CHUNK]
-        v = codes[sym[a:a + _CHUNK]].astype(np.uint64) << (np.uint64(64) - (Pc & 31).astype(np.uint64) - Lc)
+        c = pair_code[pairs[a:a + _CHUNK]]
+        if n % 2 and a + _CHUNK >= len(pairs):
+            c = c.copy()
+            c[-1] = codes[sym[-1]]
+        sh = (Pc & 31).astype(np.uint64)
+        v_hi = c << (np.uint64(64) - sh - Lc)      # sh + L <= 31 + 32: fits in 64 bits
         w = Pc >> 5
-        words += np.bincount(w, weights=(v >> np.uint64(32)).astype(np.float64), minlength=nw).astype(np.uint64)
-        words += np.bincount(w + 1, weights=(v & np.uint64(0xFFFFFFFF)).astype(np.float64), minlength=nw).astype(np.uint64)
-    payload = words.astype(">u4").view(np.uint8)[:(total + 7) // 8].copy()
-    block = block_size(n)
-    return lens, payload, pos[::block].astype(np.int64), block
+        words += np.bincount(w, weights=(v_hi >> np.uint64(32)).astype(np.float64), minlength=nw)
+        words += np.bincount(w + 1, weights=(v_hi & np.uint64(0xFFFFFFFF)).astype(np.float64), minlength=nw)
+    payload = words.astype(np.uint64).astype(">u4").view(np.uint8)[:(total + 7) // 8].copy()
+    return lens, payload, pos[::block // 2].astype(np.int64), block
 
 
 def decode(payload: np.ndarray, lens: np.ndarray, offsets: np.ndarray, n: int, block: int) -> np.ndarray:
