@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cfdist.checkpoint import agreement, discovery, state as st
+from cfdist.checkpoint import agreement, discovery, peer, state as st
 from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
@@ -520,9 +520,10 @@ class Checkpointer:
         does not fit the live objects raises ``CheckpointError`` listing the differences.
         Returns the restored step (the number of optimizer steps done), or None if there is
         no checkpoint at all. Call before training, on every rank: ranks agree (through the
-        store, once) on the newest step every one of them can load, and all restore it; if
-        there is none while some rank holds a checkpoint, every rank raises
-        ``CheckpointError`` naming what each rank holds. ``step`` (the same on every rank)
+        store, once) on the newest step some rank can load; ranks whose storage lacks it (or
+        holds a corrupted copy) receive it from that rank over the default group
+        (:mod:`cfdist.checkpoint.peer`), and all restore it. If no rank can load any, every rank
+        raises ``CheckpointError`` naming what each holds. ``step`` (the same on every rank)
         restores that step or raises. Each rank loads its own RNG states (see
         :func:`cfdist.checkpoint.state.rank_rng_state`).
         """
@@ -549,9 +550,21 @@ class Checkpointer:
                 return None
             return "; ".join(errs) or f"step {s} is not held here"
 
+        copies = []
+
+        def fetch(s: int, src: int, need: bool) -> None:   # every rank, the same arguments
+            mem = peer.broadcast_checkpoint(s, src, loaded["c"].storages if self.rank == src else None, need=need)
+            if mem is not None:
+                copies.append((s, mem))
+                cands.insert(0, discovery.Candidate(s, len(self.tiers), mem))   # a tier of its own
+
         self._restores += 1
-        got = agreement.agree_restore(self._channel, held=[c.step for c in cands], want=step,
-                                      try_load=try_load, call=self._restores)
+        try:
+            got = agreement.agree_restore(self._channel, held=[c.step for c in cands], want=step,
+                                          try_load=try_load, call=self._restores, fetch=fetch)
+        finally:
+            for s, mem in copies:
+                peer.forget(mem, s)
         if got is None:
             return None
         c = loaded["c"]
@@ -561,7 +574,8 @@ class Checkpointer:
         if self.latest_step is None or c.tier == 0:
             self.latest_step = c.step if c.tier == 0 else self.latest_step
         self._record_restart(c.step)
-        log.info("restored step %d from %s (tier %d)", c.step, c.storages[0].url_of(step_dir(c.step)), c.tier)
+        log.info("restored step %d from %s", c.step, f"tier {c.tier}" if c.tier < len(self.tiers) else
+                 "a peer rank's copy")
         return c.step
 
     def _record_restart(self, step: int) -> None:

@@ -18,7 +18,7 @@ A crash at any instant leaves the previous committed checkpoint untouched and lo
 
 Backends decide *where* that function runs. ``ThreadBackend`` (default) runs it on one
 background thread of the training process. It was measured against ``ProcessBackend`` (a spawned
-writer process reading the arenas from /dev/shm) with ``bench/bench_checkpoint.py``: the
+writer process reading the arenas from /dev/shm) with ``cfdist bench``: the
 hashing (xxhash) and the writes both release the GIL, so the thread costs training no more
 than the process does, while the process needs shared-memory arenas, a second interpreter
 with torch imported and cannot reach ``memory://``. ``ProcessBackend`` stays available for
@@ -102,9 +102,12 @@ class CommitInfo:
     """Bytes of the tensors before codecs (``bytes`` is what the shard files hold)."""
 
 
-def _shard_chunks(header: bytes, entries: list[TensorEntry], buffers: list, sums: dict):
+def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorEntry], sums: dict,
+                  buffers: list | None = None):
+    """The shard's bytes in chunks: each entry's slice of ``arena``, or its buffer in ``buffers``."""
     yield header
-    for e, mv in zip(entries, buffers):
+    for k, e in enumerate(entries):
+        mv = memoryview(arena[e.offset:e.offset + e.nbytes]) if buffers is None else buffers[k]
         h = xxhash.xxh3_64()
         for i in range(0, e.nbytes, _CHUNK):
             c = mv[i:i + _CHUNK]
@@ -142,7 +145,7 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
             sh = written[s.index] = codecs.encode_shard(enc, s.entries, arenas[s.index].numpy())
             hdr = safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)})
             n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}",
-                                        _shard_chunks(hdr, sh.entries, sh.buffers, sums))
+                                        _shard_chunks(hdr, None, sh.entries, sums, sh.buffers))
         storages[r].fsync_dir(staging[r])
         return n
 

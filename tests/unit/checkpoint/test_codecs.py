@@ -330,3 +330,19 @@ def test_encoded_shards_stay_safetensors_files(url, tmp_path):
     assert got["emb"].dtype == torch.uint8 and got["emb"].numel() < 3200 and torch.equal(got["b"], torch.arange(3))
     assert torch.equal(read(u, 1)["emb"], torch.zeros(100, 8))
     chain.forget(u)
+
+
+def test_a_peer_bundle_carries_the_chain_of_an_increment(url):
+    """What a rank broadcasts to ranks that lack a checkpoint (restore agreement) includes
+    the steps its codec chain needs; forgetting the copy drops them all."""
+    from cfdist.checkpoint import peer
+
+    emb = torch.zeros(30, 4)
+    for step in (1, 2, 3):
+        emb[step] = step
+        persist(url, step, {"emb": emb}, [Incremental(full_every=None, variant="consecutive")])
+    got = peer._unbundle(peer._bundle(open_storages(url), 3), 3)
+    assert discovery.committed_steps(got[0]) == [1, 2, 3]
+    assert torch.equal(discovery.load_verified(got, 3)[1]["emb"], emb)
+    peer.forget(got, 3)
+    assert discovery.committed_steps(got[0]) == []
