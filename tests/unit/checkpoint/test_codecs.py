@@ -162,6 +162,7 @@ def test_a_base_replaced_by_another_run_is_not_mistaken_for_the_reference(url):
     with pytest.raises(CheckpointError, match="another run replaced it"):
         read(url, 2)
     chain.forget(other)
+    open_storages(other)[0].remove("step-000000001")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
