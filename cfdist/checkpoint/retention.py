@@ -7,7 +7,9 @@ Rules (invariant 2), applied only right after a commit of ``newest``:
 * a committed checkpoint that is **not an ancestor** (numbered above ``newest``: a run rolled
   back past it; or from another run or another branch) is **moved aside** to ``rejected/``
   (:mod:`cfdist.checkpoint.rejected`), never deleted;
-* **unknown** (its manifest could not be read or says nothing usable): neither. It stays.
+* **unknown** (its manifest could not be read or says nothing usable): neither. It stays;
+* a checkpoint that one staying depends on (the base and increments of a ``cfdist.codecs``
+  chain, listed in its manifest's ``depends_on``) stays as long as that one does.
 
 **Lineage.** Every manifest records ``"lineage": {"run": id, "restores": [s1, s2, ...]}``: ``run``
 is drawn when a Checkpointer starts without restoring, and inherited by restore, which appends the
@@ -84,6 +86,8 @@ class Committed:
     """None: unknown (unreadable manifest)."""
     lineage: object = None
     """A lineage dict, or ``UNKNOWN``; None means ``ANONYMOUS``."""
+    depends: tuple[int, ...] = ()
+    """Steps it needs to be restored (``depends_on``: a codec chain)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,25 +126,29 @@ def choose(committed: list[Committed], *, keep: int, keep_epoch_ends: bool, newe
             continue   # unknown, or an epoch end to keep
         else:
             delete.append(c.step)
-    return Plan(delete=sorted(delete), move_aside=sorted(aside))
+    gone = set(delete) | {s for s, _ in aside}
+    needed = {d for c in [*committed, top] if c.step not in gone for d in c.depends}
+    return Plan(delete=sorted(s for s in delete if s not in needed),
+                move_aside=sorted((s, why) for s, why in aside if s not in needed))
 
 
 def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: bool,
-                     newest: int | None = None) -> list[int]:
+                     newest: int | None = None, depends: dict[int, list[int]] | None = None) -> list[int]:
     """Steps to delete among ``(step, is_epoch_end)`` of one lineage, ``newest`` just committed
-    (default: the highest). Steps above ``newest`` are never deleted (they are moved aside)."""
+    (default: the highest). Steps above ``newest`` are never deleted (they are moved aside).
+    ``depends``: step -> the steps it needs to be restored (never deleted while it stays)."""
     if not committed:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         return []
     newest = max(s for s, _ in committed) if newest is None else newest
-    return choose([Committed(s, ee) for s, ee in committed], keep=keep, keep_epoch_ends=keep_epoch_ends,
-                  newest=newest).delete
+    return choose([Committed(s, ee, None, tuple((depends or {}).get(s, ()))) for s, ee in committed],
+                  keep=keep, keep_epoch_ends=keep_epoch_ends, newest=newest).delete
 
 
-# (epoch_end, lineage) per storage URL and step: manifests are read once per process. Only
+# (epoch_end, lineage, depends) per storage URL and step: manifests are read once per process. Only
 # successful reads are cached; a step's entry goes when it is deleted, moved or re-committed.
-_INFO: dict[str, dict[int, tuple[bool, object]]] = {}
+_INFO: dict[str, dict[int, tuple[bool, object, tuple[int, ...]]]] = {}
 _LOCK = threading.Lock()
 
 
@@ -156,11 +164,15 @@ def _info(storage, step: int, *, cached: bool = True) -> Committed:
         return Committed(step, None, UNKNOWN)
     lin = lineage_of(m)
     ee = bool(m.get("epoch_end")) if isinstance(m, dict) else None
+    try:
+        deps = tuple(int(d[0]) for d in (m.get("depends_on") or ())) if isinstance(m, dict) else ()
+    except (TypeError, ValueError, IndexError, KeyError):
+        return Committed(step, None, UNKNOWN)   # a chain it cannot read: keep everything
     if lin is UNKNOWN or ee is None:
-        return Committed(step, ee, lin)
+        return Committed(step, ee, lin, deps)
     with _LOCK:
-        known[step] = (ee, lin)
-    return Committed(step, ee, lin)
+        known[step] = (ee, lin, deps)
+    return Committed(step, ee, lin, deps)
 
 
 def _forget(storage, step: int) -> None:
