@@ -1,7 +1,8 @@
 """Which committed checkpoints to delete. The choice is pure; :func:`apply` is its thin shell.
 
-Rules: keep the newest ``keep`` committed checkpoints; keep epoch-boundary checkpoints unless
-``keep_epoch_ends=False``; never delete the newest committed one. Called only right after a
+Rules: keep the newest ``keep`` committed checkpoints; also keep the ``keep_epoch_ends`` most
+recent epoch-boundary checkpoints (``True``: all of them, ``False``/0: none); never delete the
+newest committed one. Called only right after a
 commit, so nothing is deleted before a newer checkpoint is safe (invariant 2). Steps numbered
 above the one just committed were left by a run that rolled back past them (restore rejected
 or skipped them): they are deleted too, or the next restore would pick them over newer work.
@@ -18,18 +19,22 @@ from cfdist.checkpoint.format import MANIFEST, step_dir
 log = logging.getLogger("cfdist.retention")
 
 
-def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: bool,
+def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: int | bool,
                      newest: int | None = None) -> list[int]:
     """Steps to delete, given ``(step, is_epoch_end)`` of every committed checkpoint.
 
-    ``newest``: the step just committed; committed steps above it are from a rolled-back run.
+    ``keep_epoch_ends``: how many of the most recent epoch-end checkpoints to keep besides the
+    ``keep`` newest (``True``: all). ``newest``: the step just committed; committed steps above
+    it are from a rolled-back run.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     stale = [s for s, _ in committed if newest is not None and s > newest]
     steps = sorted((c for c in committed if c[0] not in stale), reverse=True)
-    kept_newest = {s for s, _ in steps[:keep]}
-    return sorted(stale + [s for s, ee in steps if s not in kept_newest and not (keep_epoch_ends and ee)])
+    kept = {s for s, _ in steps[:keep]}
+    ends = [s for s, ee in steps if ee]
+    kept.update(ends if keep_epoch_ends is True else ends[:int(keep_epoch_ends)])
+    return sorted(stale + [s for s, _ in steps if s not in kept])
 
 
 # step -> is_epoch_end, per storage URL: manifests are read once per process, not at every commit.
@@ -61,7 +66,7 @@ def delete_checkpoint(storages, step: int) -> None:
         _EPOCH_END.get(storages[0].url, {}).pop(step, None)
 
 
-def apply(storages, *, keep: int, keep_epoch_ends: bool, newest: int, newest_epoch_end: bool) -> list[int]:
+def apply(storages, *, keep: int, keep_epoch_ends: int | bool, newest: int, newest_epoch_end: bool) -> list[int]:
     from cfdist.checkpoint.discovery import committed_steps
 
     with _LOCK:
