@@ -166,19 +166,20 @@ class Snapshotter:
     def _ensure(self, tensors: dict[str, torch.Tensor], want_gpu: bool) -> bool:
         """Plan and allocate arenas for ``tensors``; returns whether they are in GPU memory."""
         sig = layout_signature(tensors)
-        if sig == self._sig and (bool(self.gpu) == want_gpu):
-            return want_gpu
-        self.close_arenas()
         if want_gpu:
             dev = next(t.device for t in tensors.values() if t.is_cuda)
+        if want_gpu and not (sig == self._sig and self.gpu):   # new GPU arenas: is there room?
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             if not gpu_room(nbytes, dev, headroom=self.gpu_headroom):
                 free, total = torch.cuda.mem_get_info(dev)
-                log.warning("no room for a %d-byte GPU snapshot on %s (%d of %d bytes free, %.0f%% kept "
-                            "free); snapshotting to host memory instead", nbytes, dev, free, total,
-                            100 * self.gpu_headroom)
+                (log.warning if not self.gpu_refused else log.debug)(
+                    "no room for a %d-byte GPU snapshot on %s (%d of %d bytes free, %.0f%% kept free); "
+                    "snapshotting to host memory instead", nbytes, dev, free, total, 100 * self.gpu_headroom)
                 self.gpu_refused += 1
                 want_gpu = False
+        if sig == self._sig and (bool(self.gpu) == want_gpu):
+            return want_gpu
+        self.close_arenas()
         self.layout = plan_layout(tensors, self.n_shards)
         pin = torch.cuda.is_available() and not self.shared
         self.host = [Arena(sum(e.nbytes for e in es), shared=self.shared, pin=pin, shm_dir=self.shm_dir)
