@@ -4,6 +4,7 @@ checkpoint interrupted while waiting for the in-flight persist never mixes two s
 from __future__ import annotations
 
 import copy
+import linecache
 import signal
 import sys
 import threading
@@ -41,12 +42,15 @@ def _main_blocked_in(fn: str) -> bool:
     """Whether the main thread is blocked (innermost frame ``wait``) inside the checkpointer's
     method ``fn``."""
     f = sys._current_frames().get(threading.main_thread().ident)
-    frames = []
+    if f is None or f.f_code.co_name != "wait" or "waiter.acquire()" not in linecache.getline(
+            f.f_code.co_filename, f.f_lineno):
+        return False    # only inside the blocking acquire: elsewhere in Condition.wait an async
+        # exception can leave the condition's lock in a state no caller can handle
     while f is not None:
-        frames.append((f.f_code.co_name, f.f_code.co_filename))
+        if f.f_code.co_name == fn and f.f_code.co_filename.endswith("checkpointer.py"):
+            return True
         f = f.f_back
-    return bool(frames) and frames[0][0] == "wait" and any(
-        name == fn and file.endswith("checkpointer.py") for name, file in frames)
+    return False
 
 
 def _when_main_blocked_in(fn: str, action, timeout: float = 30.0) -> threading.Thread:
