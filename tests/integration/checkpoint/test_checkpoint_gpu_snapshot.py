@@ -18,6 +18,7 @@ import cfdist
 from cfdist.checkpoint import snapshot
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy import Auto
+from test_checkpoint_snapshot import _GpuEvery   # Every(k) asking for GPU-memory snapshots
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -78,21 +79,6 @@ def test_the_next_forward_waits_for_the_buffer_copy_not_the_host():
     assert torch.equal(_host(snap, "w"), torch.full((N,), 2.0))
     assert torch.equal(buf.cpu(), torch.ones(N))
     snap.close()
-
-
-class _GpuEvery:
-    """``Every(k)`` asking for GPU-memory snapshots, as ``cfdist.Auto`` may choose."""
-
-    mode = "gpu"
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
-        return step % self.k == 0
-
-    def observe(self, m) -> None:
-        pass
 
 
 def test_gpu_snapshots_of_a_batchnorm_model_never_synchronize_the_device(memory_url, monkeypatch):
