@@ -51,10 +51,13 @@ HISTORY = "history.json"
 class CheckpointerConfig:
     """Settings of a :class:`Checkpointer` (live objects are constructor arguments, not fields)."""
 
-    keep: int = 1
-    """Newest committed checkpoints to keep (the one in flight comes on top)."""
-    keep_epoch_ends: bool = True
-    """Also keep every checkpoint taken at an epoch boundary."""
+    keep: int = 2
+    """Newest committed checkpoints to keep (the one in flight comes on top). Two, so that a
+    restore that finds the newest one corrupt falls back to the previous one."""
+    keep_epoch_ends: int = 0
+    """Also keep the ``N`` most recent checkpoints taken at an epoch boundary (0 or False: none
+    beyond the ``keep`` newest; True: all of them, unbounded: storage grows with every epoch).
+    A node's in-memory tier under ``cfdist.fit`` never keeps them."""
     backend: str = "thread"
     """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
     verify: bool = True
@@ -75,8 +78,11 @@ class CheckpointerConfig:
             raise ValueError(f"lookahead must be an int >= 1 (steps per agreement window), got {self.lookahead!r}")
         if not (isinstance(self.agree_timeout_s, (int, float)) and self.agree_timeout_s > 0):
             raise ValueError(f"agree_timeout_s must be seconds > 0, got {self.agree_timeout_s!r}")
-        if not isinstance(self.keep, int) or self.keep < 1:
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
             raise ValueError(f"keep must be an int >= 1 (newest checkpoints to keep), got {self.keep!r}")
+        if not isinstance(self.keep_epoch_ends, int) or self.keep_epoch_ends < 0:
+            raise ValueError(f"keep_epoch_ends must be an int >= 0 (how many of the most recent epoch-end "
+                             f"checkpoints to keep; True keeps all, False none), got {self.keep_epoch_ends!r}")
         if self.backend not in ("thread", "process"):
             raise ValueError(f"backend must be 'thread' or 'process', got {self.backend!r}")
         if not isinstance(self.read_retry, RetryPolicy):
@@ -129,11 +135,17 @@ class Checkpointer:
         codecs: ``cfdist.codecs`` objects that make checkpoints smaller (``Incremental``,
             ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
             the plain safetensors format.
+        keep, keep_epoch_ends, verify: see :class:`CheckpointerConfig`.
+
+    A checkpoint of step i is the state at the end of iteration i. Parameters and optimizer
+    state are copied while iteration i+1 runs (its update waits for the copy: the gate); what a
+    forward mutates in place (module buffers such as BatchNorm statistics, and bare tensors in
+    ``state``) is copied before ``step`` returns.
     """
 
     Config = CheckpointerConfig
 
-    def __init__(self, state: dict, storage, policy=None, *, keep: int = 1, keep_epoch_ends: bool = True,
+    def __init__(self, state: dict, storage, policy=None, *, keep: int = 2, keep_epoch_ends: int = 0,
                  rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
                  backend: str | PersistBackend = "thread", restore_from=None,
                  storage_options: dict | None = None, verify: bool = True, store=None,
@@ -283,19 +295,33 @@ class Checkpointer:
         """Optimizer steps done (restored from the checkpoint by ``restore``)."""
         return self._step
 
-    def step(self, optimizer=None, closure=None):
-        """Replaces ``optimizer.step()``: gate, step, count, maybe snapshot.
+    def step(self, optimizer=None, closure=None, *, scaler=None):
+        """Replaces ``optimizer.step()`` (or ``scaler.step(optimizer); scaler.update()``): gate,
+        step, count, maybe snapshot. Call once per optimizer update (with gradient accumulation:
+        on the update steps only), from the training thread.
 
-        Blocks only while the previous snapshot's copy is unfinished (that wait is the stall).
-        Returns what ``optimizer.step`` returned.
+        Blocks while the previous snapshot's copy is unfinished (the gate); at a checkpoint
+        step, also while the previous checkpoint's persist is still in flight (its buffers are
+        about to be reused), and while module buffers are copied. These waits are the stall.
+        ``scaler``: a ``torch.amp.GradScaler``; its ``step(optimizer)`` and ``update()`` run
+        inside the gate. Put it in the state dict to checkpoint it.
+        Returns what ``optimizer.step`` (or ``scaler.step``) returned.
         """
+        if scaler is not None and closure is not None:
+            raise ValueError("ckpt.step(optimizer, closure, scaler=...): a GradScaler does not support "
+                             "an optimizer closure; call the closure yourself before ckpt.step")
+        if scaler is not None and optimizer is None:
+            raise ValueError("ckpt.step(scaler=...) needs the optimizer the scaler steps: ckpt.step(opt, scaler=scaler)")
         t_enter = time.perf_counter()
         self._on_boundary()
         self._harvest()
         stall = self._snap.wait_copied()
         t0 = time.perf_counter()
         out = None
-        if optimizer is not None:
+        if scaler is not None:
+            out = scaler.step(optimizer)
+            scaler.update()
+        elif optimizer is not None:
             out = optimizer.step(closure) if closure is not None else optimizer.step()
         update_s = time.perf_counter() - t0
         self._step += 1
@@ -368,11 +394,7 @@ class Checkpointer:
         if self._snap_host_future is not None:
             self._snap_host_future.result()
         self._try_submit()
-        if self._inflight is not None:
-            try:
-                self._inflight.wait()
-            except BaseException:
-                pass
+        self._wait_inflight()
         self._harvest()
         err, self._error = self._error, None
         if err is not None:
@@ -428,11 +450,7 @@ class Checkpointer:
         if self._snap_host_future is not None:
             self._snap_host_future.result()
         self._try_submit()
-        if self._inflight is not None and not self._inflight.done():
-            try:
-                self._inflight.wait()   # one persist in flight; its arenas are about to be reused
-            except BaseException:
-                pass
+        self._wait_inflight()   # one persist in flight; its arenas are about to be reused
         self._harvest()
         stall += time.perf_counter() - t0
         early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
@@ -447,11 +465,25 @@ class Checkpointer:
         self._snapped_step = self._step
         if self.writer:
             mode = getattr(self.policy, "mode", "cpu")
-            self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu")
+            self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu",
+                             first=st.mutable_in_forward(self.state, tensors))
             self._pending["tensors"] = tensors
             self._snap_host_future = self._snap._pool.submit(self._snap.stage_to_host)
             self._snap_host_future.add_done_callback(lambda f: self._try_submit())
         return stall
+
+    def _wait_inflight(self) -> None:
+        """Block until the persist in flight (if any) ended; its own failure is left for
+        :meth:`_harvest` to record. An interrupt (``KeyboardInterrupt``, ``SystemExit`` from a
+        SIGTERM handler) propagates and leaves ``_inflight`` set, so the next snapshot waits
+        for that persist again before it copies into the arenas the persist may still read."""
+        p = self._inflight
+        if p is None or p.done():
+            return
+        try:
+            p.wait()
+        except Exception:  # noqa: BLE001 - the persist's error: _harvest records and re-raises it
+            pass
 
     def _on_boundary(self, *args, **kwargs) -> None:
         """The instant between iterations: capture schedulers, plain values and RNG."""
@@ -516,7 +548,7 @@ class Checkpointer:
             self._inflight = None
         try:
             info = p.wait()
-        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+        except Exception as e:  # noqa: BLE001 - re-raised by wait()
             self._record_error(e, getattr(p, "step", -1))
             return
         self.latest_step = info.step

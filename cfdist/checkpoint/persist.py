@@ -72,8 +72,9 @@ class PersistJob:
     manifest: dict
     """Manifest fields known at snapshot time (skeleton, small state, epoch, ...)."""
     shards: list[ShardJob]
-    keep: int = 1
-    keep_epoch_ends: bool = True
+    keep: int = 2
+    keep_epoch_ends: int | bool = 0
+    """How many of the most recent epoch-end checkpoints retention keeps (True: all)."""
     arenas: list[torch.Tensor] | None = field(default=None, repr=False)
     """In-process arenas (uint8 tensors); dropped when pickled."""
     rolled_back: dict[int, str] | None = None

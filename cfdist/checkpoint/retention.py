@@ -3,7 +3,8 @@
 Rules (invariant 2), applied only right after a commit of ``newest``:
 
 * retention **deletes** only *ancestors* of ``newest`` (same lineage, older), beyond the ``keep``
-  newest of them, and never an epoch end while ``keep_epoch_ends``;
+  newest of them, and never one of the ``keep_epoch_ends`` most recent epoch ends (an int;
+  ``True``: all of them, ``False``/0: none);
 * a committed checkpoint that is **not an ancestor** (numbered above ``newest``: a run rolled
   back past it; or from another run or another branch) is **moved aside** to ``rejected/``
   (:mod:`cfdist.checkpoint.rejected`), never deleted;
@@ -97,7 +98,7 @@ class Plan:
     """``(step, why)``."""
 
 
-def choose(committed: list[Committed], *, keep: int, keep_epoch_ends: bool, newest: int) -> Plan:
+def choose(committed: list[Committed], *, keep: int, keep_epoch_ends: int | bool, newest: int) -> Plan:
     """What to do with each committed checkpoint right after ``newest`` committed (pure)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -117,22 +118,19 @@ def choose(committed: list[Committed], *, keep: int, keep_epoch_ends: bool, newe
                                   f"or a branch that was rolled back)"))
         elif anc:
             ancestors.append(c)
-    kept = keep - 1   # the newest counts
-    delete = []
-    for c in ancestors:
-        if kept > 0:
-            kept -= 1
-        elif c.epoch_end is None or (keep_epoch_ends and c.epoch_end):
-            continue   # unknown, or an epoch end to keep
-        else:
-            delete.append(c.step)
+    # the keep newest (the one just committed counts), plus the keep_epoch_ends most recent epoch
+    # ends (the newest counts if it is one); a checkpoint may be both
+    kept = {c.step for c in ancestors[:keep - 1]}
+    ends = [c.step for c in [top, *ancestors] if c.epoch_end]
+    kept.update(ends if keep_epoch_ends is True else ends[:int(keep_epoch_ends)])
+    delete = [c.step for c in ancestors if c.epoch_end is not None and c.step not in kept]  # unknown stays
     gone = set(delete) | {s for s, _ in aside}
     needed = {d for c in [*committed, top] if c.step not in gone for d in c.depends}
     return Plan(delete=sorted(s for s in delete if s not in needed),
                 move_aside=sorted((s, why) for s, why in aside if s not in needed))
 
 
-def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: bool,
+def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: int | bool,
                      newest: int | None = None, depends: dict[int, list[int]] | None = None) -> list[int]:
     """Steps to delete among ``(step, is_epoch_end)`` of one lineage, ``newest`` just committed
     (default: the highest). Steps above ``newest`` are never deleted (they are moved aside).
@@ -194,7 +192,7 @@ def delete_checkpoint(storages, step: int) -> None:
     _forget(storages[0], step)
 
 
-def apply(storages, *, keep: int, keep_epoch_ends: bool, newest: int, newest_epoch_end: bool,
+def apply(storages, *, keep: int, keep_epoch_ends: int | bool, newest: int, newest_epoch_end: bool,
           reasons: dict[int, str] | None = None) -> list[int]:
     """Apply :func:`choose` right after ``newest`` committed; returns the steps deleted.
 

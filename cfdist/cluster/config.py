@@ -63,8 +63,9 @@ class FitConfig:
     peer_copy: bool = True
     """Give a replacement node the chosen checkpoint from a surviving node's actor (else: only
     shared storage can seed it)."""
-    keep: int = 1
-    """Committed checkpoints kept per tier (the one in flight comes on top)."""
+    keep: int = 2
+    """Committed checkpoints kept per tier (the one in flight comes on top); two, so a restore
+    that finds the newest one corrupt falls back to the previous one."""
     poll_s: float = 0.2
     """Driver polling period: failure detection latency and progress refresh."""
     rendezvous_timeout_s: float = 120.0

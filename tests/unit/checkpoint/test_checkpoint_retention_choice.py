@@ -27,6 +27,11 @@ CASES = [
     # steps above 25 are moved aside (see the lineage table below), never deleted
     ([(10, _), (20, _), (25, _), (30, _), (40, E)], 2,  True,   25,     [10]),
     ([(20, _), (25, _), (30, _)],                  1,   True,   25,     [20]),
+    # keep_epoch_ends=N: the N most recent epoch ends (0/False: none)
+    ([(10, E), (20, E), (30, _), (40, _)],         1,   1,      40,     [10, 30]),
+    ([(10, E), (20, E), (30, _), (40, _)],         1,   2,      40,     [30]),
+    ([(10, E), (20, E), (30, _), (40, _)],         1,   0,      40,     [10, 20, 30]),
+    ([(10, E), (20, E), (30, E), (40, _)],         2,   1,      40,     [10, 20]),    # 30 is both
 ]
 
 
