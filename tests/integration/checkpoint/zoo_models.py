@@ -76,8 +76,18 @@ class _Null:
 
 
 def _ddp(model: nn.Module, world: int) -> nn.Module:
-    """DDP on the job's gloo group (one rank too: ``no_sync`` and the wrapper's state dict keys)."""
-    return nn.parallel.DistributedDataParallel(model) if torch.distributed.is_initialized() else model
+    """DDP on the job's gloo group (one rank too: ``no_sync`` and the wrapper's state dict keys).
+
+    Above two ranks ``find_unused_parameters=True``: by default DDP rebuilds its gradient buckets
+    after its first backward, so a job started from a checkpoint sums some gradient elements in
+    another order on its first step than the uninterrupted job does on that step (a ring
+    all-reduce adds the ranks in an order that depends on an element's position in its bucket;
+    with two ranks ``a + b == b + a``). The flag keeps the construction-time layout. Plain DDP
+    shows this without cfdist; the README's "bit for bit" paragraph documents it.
+    """
+    if not torch.distributed.is_initialized():
+        return model
+    return nn.parallel.DistributedDataParallel(model, find_unused_parameters=world > 2)
 
 
 def _ce(model, data):
