@@ -25,18 +25,22 @@ import json
 import logging
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from cfdist.checkpoint import agreement, discovery, peer, state as st
+from cfdist.checkpoint import agreement, discovery, peer, retention, roots, state as st
+from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
+from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement
 from cfdist.storage import open_storages
+from cfdist.storage.redact import redact
 
 log = logging.getLogger("cfdist.checkpointer")
 
@@ -47,14 +51,20 @@ HISTORY = "history.json"
 class CheckpointerConfig:
     """Settings of a :class:`Checkpointer` (live objects are constructor arguments, not fields)."""
 
-    keep: int = 1
-    """Newest committed checkpoints to keep (the one in flight comes on top)."""
-    keep_epoch_ends: bool = True
-    """Also keep every checkpoint taken at an epoch boundary."""
+    keep: int = 2
+    """Newest committed checkpoints to keep (the one in flight comes on top). Two, so that a
+    restore that finds the newest one corrupt falls back to the previous one."""
+    keep_epoch_ends: int = 0
+    """Also keep the ``N`` most recent checkpoints taken at an epoch boundary (0 or False: none
+    beyond the ``keep`` newest; True: all of them, unbounded: storage grows with every epoch).
+    A node's in-memory tier under ``cfdist.fit`` never keeps them."""
     backend: str = "thread"
     """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
     verify: bool = True
     """Check every tensor's checksum on restore."""
+    read_retry: RetryPolicy = RetryPolicy()
+    """How storage errors while listing or reading checkpoints are retried before restore raises
+    (they never make it fall back to an older checkpoint; see :mod:`cfdist.checkpoint.retry`)."""
     lookahead: int = 8
     """Multi-rank: steps per agreement window. Rank 0's decisions (k, save requests) apply
     ``lookahead`` to ``2 * lookahead`` steps after it made them; other ranks read the store once
@@ -68,10 +78,15 @@ class CheckpointerConfig:
             raise ValueError(f"lookahead must be an int >= 1 (steps per agreement window), got {self.lookahead!r}")
         if not (isinstance(self.agree_timeout_s, (int, float)) and self.agree_timeout_s > 0):
             raise ValueError(f"agree_timeout_s must be seconds > 0, got {self.agree_timeout_s!r}")
-        if not isinstance(self.keep, int) or self.keep < 1:
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
             raise ValueError(f"keep must be an int >= 1 (newest checkpoints to keep), got {self.keep!r}")
+        if not isinstance(self.keep_epoch_ends, int) or self.keep_epoch_ends < 0:
+            raise ValueError(f"keep_epoch_ends must be an int >= 0 (how many of the most recent epoch-end "
+                             f"checkpoints to keep; True keeps all, False none), got {self.keep_epoch_ends!r}")
         if self.backend not in ("thread", "process"):
             raise ValueError(f"backend must be 'thread' or 'process', got {self.backend!r}")
+        if not isinstance(self.read_retry, RetryPolicy):
+            raise TypeError(f"read_retry must be a cfdist.checkpoint.retry.RetryPolicy, got {self.read_retry!r}")
 
 
 def _default_policy():
@@ -112,21 +127,34 @@ class Checkpointer:
         restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
             e.g. an in-memory tier before and a shared tier after the node-local one.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        read_retry: a :class:`~cfdist.checkpoint.retry.RetryPolicy` for storage errors while
+            restoring (default: 4 tries over about 1.75 s).
         store: the c10d Store ranks agree through (default: torch.distributed's, when
             initialised); needed when ``world_size > 1``.
         lookahead, agree_timeout_s: see :class:`CheckpointerConfig`.
+        codecs: ``cfdist.codecs`` objects that make checkpoints smaller (``Incremental``,
+            ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
+            the plain safetensors format.
+        keep, keep_epoch_ends, verify: see :class:`CheckpointerConfig`.
+
+    A checkpoint of step i is the state at the end of iteration i. Parameters and optimizer
+    state are copied while iteration i+1 runs (its update waits for the copy: the gate); what a
+    forward mutates in place (module buffers such as BatchNorm statistics, and bare tensors in
+    ``state``) is copied before ``step`` returns.
     """
 
     Config = CheckpointerConfig
 
-    def __init__(self, state: dict, storage, policy=None, *, keep: int = 1, keep_epoch_ends: bool = True,
+    def __init__(self, state: dict, storage, policy=None, *, keep: int = 2, keep_epoch_ends: int = 0,
                  rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
                  backend: str | PersistBackend = "thread", restore_from=None,
                  storage_options: dict | None = None, verify: bool = True, store=None,
-                 lookahead: int = 8, agree_timeout_s: float = 1800.0):
+                 lookahead: int = 8, agree_timeout_s: float = 1800.0, codecs=None,
+                 read_retry: RetryPolicy | None = None):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
-                                         verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s)
+                                         verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s,
+                                         read_retry=read_retry or RetryPolicy())
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
@@ -139,7 +167,8 @@ class Checkpointer:
         if not (hasattr(self.policy, "should_checkpoint") and hasattr(self.policy, "observe")):
             raise TypeError(f"policy must be a cfdist policy (Every, EveryEpoch, Auto), got {self.policy!r}")
         if isinstance(backend, str):
-            self.backend: PersistBackend = (ProcessBackend(self.storages, storage_options)
+            # the filesystem's own options: storage_options plus any credentials taken from the URL
+            self.backend: PersistBackend = (ProcessBackend(self.storages, dict(self.storages[0].fs.storage_options))
                                             if backend == "process" else ThreadBackend(self.storages))
         else:
             self.backend = backend
@@ -152,7 +181,9 @@ class Checkpointer:
         self._restores = 0
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory)
         if self.writer:
-            discovery.sweep(self.storages)
+            discovery.sweep(self.storages)   # refuses a reordered list or an empty root 0 first
+        else:
+            roots.check(self.storages, create=False)
         self._step = 0
         self._lock = threading.Lock()
         self._pending: dict | None = None      # snapshot taken, small state not yet captured
@@ -163,8 +194,11 @@ class Checkpointer:
         self._last_return: float | None = None
         self._persist_done: tuple[float, int] | None = None
         self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0,
-                           persist_s=0.0, bytes=0, last_error=None)
-        latest = discovery.find_latest([self.storages])
+                           persist_s=0.0, bytes=0, last_error=None, bytes_logical=0, bytes_written=0)
+        # This run's lineage (retention deletes only its ancestors); restore() replaces it.
+        self._lineage = retention.new_lineage()
+        self._rolled_back: dict[int, str] = {}   # step -> why restore rolled back past it
+        latest = discovery.find_latest([self.storages], retry=self.config.read_retry)
         self.latest_step: int | None = latest.step if latest else None
         self._hooks = []
         self._fetch_hooked = False   # a data iterator calls _on_boundary before each fetch
@@ -176,6 +210,8 @@ class Checkpointer:
                 self._fetch_hooked = True
         self._copies_reported = 0
         self._bind_policy()
+        self.codecs = resolve_codecs(codecs, self.policy, self._read_json(HISTORY))
+        self._codec_session = uuid.uuid4().hex
 
     def _agreement_channel(self, store):
         """This Checkpointer's namespace in the store ranks agree through (None: one process)."""
@@ -259,19 +295,33 @@ class Checkpointer:
         """Optimizer steps done (restored from the checkpoint by ``restore``)."""
         return self._step
 
-    def step(self, optimizer=None, closure=None):
-        """Replaces ``optimizer.step()``: gate, step, count, maybe snapshot.
+    def step(self, optimizer=None, closure=None, *, scaler=None):
+        """Replaces ``optimizer.step()`` (or ``scaler.step(optimizer); scaler.update()``): gate,
+        step, count, maybe snapshot. Call once per optimizer update (with gradient accumulation:
+        on the update steps only), from the training thread.
 
-        Blocks only while the previous snapshot's copy is unfinished (that wait is the stall).
-        Returns what ``optimizer.step`` returned.
+        Blocks while the previous snapshot's copy is unfinished (the gate); at a checkpoint
+        step, also while the previous checkpoint's persist is still in flight (its buffers are
+        about to be reused), and while module buffers are copied. These waits are the stall.
+        ``scaler``: a ``torch.amp.GradScaler``; its ``step(optimizer)`` and ``update()`` run
+        inside the gate. Put it in the state dict to checkpoint it.
+        Returns what ``optimizer.step`` (or ``scaler.step``) returned.
         """
+        if scaler is not None and closure is not None:
+            raise ValueError("ckpt.step(optimizer, closure, scaler=...): a GradScaler does not support "
+                             "an optimizer closure; call the closure yourself before ckpt.step")
+        if scaler is not None and optimizer is None:
+            raise ValueError("ckpt.step(scaler=...) needs the optimizer the scaler steps: ckpt.step(opt, scaler=scaler)")
         t_enter = time.perf_counter()
         self._on_boundary()
         self._harvest()
         stall = self._snap.wait_copied()
         t0 = time.perf_counter()
         out = None
-        if optimizer is not None:
+        if scaler is not None:
+            out = scaler.step(optimizer)
+            scaler.update()
+        elif optimizer is not None:
             out = optimizer.step(closure) if closure is not None else optimizer.step()
         update_s = time.perf_counter() - t0
         self._step += 1
@@ -344,11 +394,7 @@ class Checkpointer:
         if self._snap_host_future is not None:
             self._snap_host_future.result()
         self._try_submit()
-        if self._inflight is not None:
-            try:
-                self._inflight.wait()
-            except BaseException:
-                pass
+        self._wait_inflight()
         self._harvest()
         err, self._error = self._error, None
         if err is not None:
@@ -387,6 +433,7 @@ class Checkpointer:
             "last_error": s["last_error"], "total_stall_s": s["stall_s"],
             "agreement": self._freq.describe(), "agreement_reads": self._freq.reads,
             "agreement_wait_s": self._channel.waited_s if self._channel is not None else 0.0,
+            "bytes_logical": s["bytes_logical"], "bytes_written": s["bytes_written"],
         }
         extra = getattr(self.policy, "stats", None)
         if callable(extra):
@@ -403,11 +450,7 @@ class Checkpointer:
         if self._snap_host_future is not None:
             self._snap_host_future.result()
         self._try_submit()
-        if self._inflight is not None and not self._inflight.done():
-            try:
-                self._inflight.wait()   # one persist in flight; its arenas are about to be reused
-            except BaseException:
-                pass
+        self._wait_inflight()   # one persist in flight; its arenas are about to be reused
         self._harvest()
         stall += time.perf_counter() - t0
         early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
@@ -422,11 +465,25 @@ class Checkpointer:
         self._snapped_step = self._step
         if self.writer:
             mode = getattr(self.policy, "mode", "cpu")
-            self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu")
+            self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu",
+                             first=st.mutable_in_forward(self.state, tensors))
             self._pending["tensors"] = tensors
             self._snap_host_future = self._snap._pool.submit(self._snap.stage_to_host)
             self._snap_host_future.add_done_callback(lambda f: self._try_submit())
         return stall
+
+    def _wait_inflight(self) -> None:
+        """Block until the persist in flight (if any) ended; its own failure is left for
+        :meth:`_harvest` to record. An interrupt (``KeyboardInterrupt``, ``SystemExit`` from a
+        SIGTERM handler) propagates and leaves ``_inflight`` set, so the next snapshot waits
+        for that persist again before it copies into the arenas the persist may still read."""
+        p = self._inflight
+        if p is None or p.done():
+            return
+        try:
+            p.wait()
+        except Exception:  # noqa: BLE001 - the persist's error: _harvest records and re-raises it
+            pass
 
     def _on_boundary(self, *args, **kwargs) -> None:
         """The instant between iterations: capture schedulers, plain values and RNG."""
@@ -467,19 +524,20 @@ class Checkpointer:
                                nbytes=self._snap.host[i].nbytes, entries=es, arena_path=self._snap.host[i].path)
                       for i, es in enumerate(self._snap.layout)]
             manifest = {"epoch": p["epoch"], "epoch_end": p["epoch_end"], "world_size": self.world_size,
-                        "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"]}
+                        "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"], "lineage": self._lineage}
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
-                             arenas=[a.buf for a in self._snap.host])
+                             arenas=[a.buf for a in self._snap.host], codecs=self.codecs,
+                             codec_session=self._codec_session, rolled_back=dict(self._rolled_back) or None)
             self._inflight = self.backend.submit(job)   # non-blocking by the backend protocol
 
     def _record_error(self, e: BaseException, step: int) -> None:
         self._stats["errors"] += 1
-        self._stats["last_error"] = f"{type(e).__name__}: {e}"
+        self._stats["last_error"] = redact(f"{type(e).__name__}: {e}")
         self._error = e
         log.error("persisting step %d to %s failed: %s; training continues, the previous checkpoint "
-                  "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url, e,
-                  self.latest_step)
+                  "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url,
+                  redact(e), self.latest_step)
 
     def _harvest(self) -> None:
         """Collect a finished persist (non-blocking)."""
@@ -490,13 +548,16 @@ class Checkpointer:
             self._inflight = None
         try:
             info = p.wait()
-        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+        except Exception as e:  # noqa: BLE001 - re-raised by wait()
             self._record_error(e, getattr(p, "step", -1))
             return
         self.latest_step = info.step
+        self._rolled_back = {}   # recorded by that commit's retention
         self._stats["checkpoints"] += 1
         self._stats["persist_s"] += info.seconds
         self._stats["bytes"] = info.bytes
+        self._stats["bytes_written"] += info.bytes
+        self._stats["bytes_logical"] += info.bytes_logical if info.bytes_logical is not None else info.bytes
         self._persist_done = (info.seconds, info.bytes)
         self._save_profile()
 
@@ -504,9 +565,14 @@ class Checkpointer:
     def restore(self, step: int | None = None) -> int | None:
         """Load the newest committed checkpoint that verifies into the live objects.
 
-        Searches ``storage`` and ``restore_from`` (ties go to the earlier tier). A corrupted
-        checkpoint is skipped with a warning naming the file and checksums; a checkpoint that
-        does not fit the live objects raises ``CheckpointError`` listing the differences.
+        Searches ``storage`` and ``restore_from`` (ties go to the earlier tier). A checkpoint
+        whose content is bad (checksum, truncation, malformed manifest) is skipped with a
+        warning naming the file and checksums; the first commit afterwards moves it aside to
+        ``rejected/`` (never deleted). A storage error (``OSError``) is retried per
+        ``read_retry`` and then raised as ``StorageUnavailable`` naming the URL and the step:
+        it never makes restore fall back. A checkpoint that does not fit the live objects
+        raises ``CheckpointError`` listing the differences. ``step``: that step, also from
+        ``rejected/`` when no tier has it live; newer ones are moved aside by the first commit.
         Returns the restored step (the number of optimizer steps done), or None if there is
         no checkpoint at all. Call before training, on every rank: ranks agree (through the
         store, once) on the newest step some rank can load; ranks whose storage lacks it (or
@@ -516,33 +582,36 @@ class Checkpointer:
         restores that step or raises. Each rank loads its own RNG states (see
         :func:`cfdist.checkpoint.state.rank_rng_state`).
         """
-        cands = discovery.candidates(self.tiers)
-        if step is not None and self._channel is None and not any(c.step == step for c in cands):
-            raise CheckpointError(f"step {step} is not committed in any of {[t[0].url for t in self.tiers]}")
+        cands = discovery.candidates(self.tiers, retry=self.config.read_retry)
+        if step is not None:
+            cands = discovery.with_rejected(self.tiers, cands, step)
+            if self._channel is None and not any(c.step == step for c in cands):
+                raise CheckpointError(f"step {step} is not committed in any of {[t[0].url for t in self.tiers]}, "
+                                      f"nor moved aside under their rejected/ folders")
         loaded: dict = {}
+        rejected: list = []
+
+        def rank_rng(c, m):
+            return st.rank_rng_state(m, self.rank, where=c.storages[0].url_of(step_dir(c.step)))
 
         def try_load(s: int) -> str | None:
-            errs = []
-            for c in (c for c in cands if c.step == s):
-                where = c.storages[0].url_of(step_dir(c.step))
-                try:
-                    m, tensors = discovery.load_verified(c.storages, c.step, verify=self.config.verify)
-                    saved, _ = discovery.decode_state(m, tensors, where=where)
-                    rng = st.rank_rng_state(m, self.rank, where=where)
-                except (CheckpointError, OSError) as e:
-                    errs.append(f"step {c.step} in {c.storages[0].url}: {e}")
-                    warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({e}); "
-                                  f"falling back to an older one", RuntimeWarning, stacklevel=4)
-                    continue
-                st.check_compatible(self.state, saved)
-                loaded.update(c=c, saved=saved, rng=rng)
-                return None
-            return "; ".join(errs) or f"step {s} is not held here"
+            # A storage error that outlasts the retries raises (StorageUnavailable): it must not
+            # look like an unusable step, or the ranks would agree on rolling back past it.
+            found, errs = discovery.load_first([c for c in cands if c.step == s], verify=self.config.verify,
+                                               retry=self.config.read_retry, extra=rank_rng,
+                                               on_reject=self._warn_unusable)
+            rejected.extend(errs)
+            if found is None:
+                return "; ".join(f"step {c.step} in {c.storages[0].url}: {why}" for c, why in errs) \
+                    or f"step {s} is not held here"
+            st.check_compatible(self.state, found.state)
+            loaded["found"] = found
+            return None
 
         copies = []
 
         def fetch(s: int, src: int, need: bool) -> None:   # every rank, the same arguments
-            mem = peer.broadcast_checkpoint(s, src, loaded["c"].storages if self.rank == src else None, need=need)
+            mem = peer.broadcast_checkpoint(s, src, loaded["found"].candidate.storages if self.rank == src else None, need=need)
             if mem is not None:
                 copies.append((s, mem))
                 cands.insert(0, discovery.Candidate(s, len(self.tiers), mem))   # a tier of its own
@@ -556,16 +625,36 @@ class Checkpointer:
                 peer.forget(mem, s)
         if got is None:
             return None
-        c = loaded["c"]
-        st.apply(self.state, loaded["saved"])
-        st.set_rng_state(loaded["rng"])
+        found = loaded["found"]
+        c = found.candidate
+        st.apply(self.state, found.state)
+        st.set_rng_state(found.extra)
         self._step = self._snapped_step = c.step
+        self._note_rollback(found, rejected, cands, asked=step is not None)
         if self.latest_step is None or c.tier == 0:
             self.latest_step = c.step if c.tier == 0 else self.latest_step
         self._record_restart(c.step)
         log.info("restored step %d from %s", c.step, f"tier {c.tier}" if c.tier < len(self.tiers) else
                  "a peer rank's copy")
         return c.step
+
+    @staticmethod
+    def _warn_unusable(c, why: str) -> None:
+        warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({why}); "
+                      f"falling back to an older one", RuntimeWarning, stacklevel=5)
+
+    def _note_rollback(self, found: "discovery.Loaded", rejected: list, cands: list, *, asked: bool) -> None:
+        """Continue the restored checkpoint's lineage; remember why newer ones of the first tier
+        were passed over (the first commit moves them aside with that reason, ``retention.apply``)."""
+        c = found.candidate
+        self._lineage = retention.after_restore(found.manifest, c.step)
+        self._rolled_back = {r.step: f"restore rejected it: {why}" for r, why in rejected
+                             if r.tier == 0 and r.rejected is None and r.step > c.step}
+        why = (f"restore(step={c.step}) chose an older step" if asked
+               else f"the ranks agreed on the older step {c.step} (not every rank could load this one)")
+        for other in cands:
+            if other.tier == 0 and other.rejected is None and other.step > c.step:
+                self._rolled_back.setdefault(other.step, why)
 
     def _record_restart(self, step: int) -> None:
         if not self.writer:

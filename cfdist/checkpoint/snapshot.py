@@ -7,18 +7,31 @@ layout (names, dtypes, shapes) stays the same; a changed layout re-plans them.
 
 Backing memory, in order of preference:
 
-* ``gpu``: spare GPU memory (``mode="gpu"`` and CUDA tensors): the copy is device-to-device
-  on a side stream (fastest gate); the device-to-host copy into the host arena happens later,
-  in the background, as part of persisting;
+* ``gpu``: spare GPU memory (``mode="gpu"`` and CUDA tensors), when the device has room for
+  it (``torch.cuda.mem_get_info``; else the snapshot goes to host memory): the copy is
+  device-to-device on a side stream (fastest gate); the device-to-host copy into the host
+  arena happens later, in the background, as part of persisting;
 * a file in ``/dev/shm`` when another process (writer process, node actor) must read it;
 * pinned host memory when CUDA is present, else ordinary host memory.
 
 The copy runs on one long-lived background thread (``torch.Tensor.copy_`` releases the GIL),
 overlapped with the next forward/backward. :meth:`Snapshotter.wait_copied` is the gate.
+
+Tensors that the next forward mutates in place (module buffers: BatchNorm statistics, EMA
+buffers kept as buffers, counters; the caller names them in ``first``) are copied before
+:meth:`Snapshotter.start` returns, so the snapshot of step i never holds iteration i+1's
+values: on the CPU synchronously (buffers are small); on CUDA on the copy stream, and the
+training stream waits for that copy with an event before it runs the next forward.
+
+CUDA ordering: every copy runs on the snapshotter's own stream (never the default stream).
+An event recorded on the training stream right after the optimizer step orders the copy
+after the update; completion is an event the copy thread waits for. Nothing synchronizes
+the whole device.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -27,6 +40,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from cfdist.checkpoint.format import TensorEntry
+
+log = logging.getLogger("cfdist.snapshot")
 
 _SHM_DIR = "/dev/shm"
 
@@ -102,74 +117,139 @@ def attach_arena(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
 
 
+GPU_HEADROOM = 0.05
+"""Fraction of the device's memory a GPU snapshot leaves free (allocator fragmentation)."""
+
+
+def gpu_room(nbytes: int, device: torch.device, *, headroom: float = GPU_HEADROOM) -> bool:
+    """Whether ``nbytes`` more fit on ``device`` now (``torch.cuda.mem_get_info``), leaving
+    ``headroom`` of its memory free. Memory training already reserved is not counted as free:
+    it is what the next forward/backward allocates from."""
+    free, total = torch.cuda.mem_get_info(device)
+    return nbytes <= free - headroom * total
+
+
 class Snapshotter:
     """Owns the arenas and the copy thread of one Checkpointer. Not thread-safe: call from the
     training thread only (the copy itself runs on the internal thread)."""
 
-    def __init__(self, *, n_shards: int = 1, shared: bool = False, shm_dir: str | None = None):
+    def __init__(self, *, n_shards: int = 1, shared: bool = False, shm_dir: str | None = None,
+                 gpu_headroom: float = GPU_HEADROOM):
         self.n_shards = n_shards
         self.shared = shared
         self.shm_dir = shm_dir
+        self.gpu_headroom = gpu_headroom
         self.layout: list[list[TensorEntry]] | None = None
         self.host: list[Arena] = []
         self.gpu: list[Arena] = []
         self._sig: tuple | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-snapshot")
         self._copy: Future | None = None
+        self._streams: dict = {}       # device -> the copy stream (CUDA only)
+        self._first_s = 0.0            # seconds start() spent copying ``first`` itself
         self.last_copy_s: float | None = None
         self.last_device: str = "cpu"
         self.copies = 0
         """Copies finished and collected so far (each one's duration is ``last_copy_s``)."""
+        self.gpu_refused = 0
+        """GPU snapshots asked for that went to host memory: the device had no room for them."""
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.host)
 
-    def _ensure(self, tensors: dict[str, torch.Tensor], want_gpu: bool) -> None:
+    @property
+    def gpu_nbytes(self) -> int:
+        """Bytes of GPU memory the snapshot arenas hold now (0 when snapshots go to the host)."""
+        return sum(a.nbytes for a in self.gpu)
+
+    def _ensure(self, tensors: dict[str, torch.Tensor], want_gpu: bool) -> bool:
+        """Plan and allocate arenas for ``tensors``; returns whether they are in GPU memory."""
         sig = layout_signature(tensors)
+        if want_gpu:
+            dev = next(t.device for t in tensors.values() if t.is_cuda)
+        if want_gpu and not (sig == self._sig and self.gpu):   # new GPU arenas: is there room?
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            if not gpu_room(nbytes, dev, headroom=self.gpu_headroom):
+                free, total = torch.cuda.mem_get_info(dev)
+                (log.warning if not self.gpu_refused else log.debug)(
+                    "no room for a %d-byte GPU snapshot on %s (%d of %d bytes free, %.0f%% kept free); "
+                    "snapshotting to host memory instead", nbytes, dev, free, total, 100 * self.gpu_headroom)
+                self.gpu_refused += 1
+                want_gpu = False
         if sig == self._sig and (bool(self.gpu) == want_gpu):
-            return
+            return want_gpu
         self.close_arenas()
         self.layout = plan_layout(tensors, self.n_shards)
         pin = torch.cuda.is_available() and not self.shared
         self.host = [Arena(sum(e.nbytes for e in es), shared=self.shared, pin=pin, shm_dir=self.shm_dir)
                      for es in self.layout]
         if want_gpu:
-            dev = next(t.device for t in tensors.values() if t.is_cuda)
             self.gpu = [Arena(sum(e.nbytes for e in es), device=dev) for es in self.layout]
         self._sig = sig
+        return want_gpu
 
-    def start(self, tensors: dict[str, torch.Tensor], *, mode: str = "cpu") -> None:
-        """Begin copying ``tensors`` (live references) into the arenas; returns at once.
+    def _stream(self, device: torch.device):
+        """This snapshotter's copy stream on ``device`` (created once; never the default stream)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def start(self, tensors: dict[str, torch.Tensor], *, mode: str = "cpu", first=()) -> None:
+        """Begin copying ``tensors`` (live references) into the arenas; returns once the tensors
+        named in ``first`` are safe and the rest is copying in the background.
 
         Must be called right after the optimizer step, and the caller must not mutate the
-        tensors until :meth:`wait_copied` returned (the gate before the next update).
+        tensors until :meth:`wait_copied` returned (the gate before the next update), except
+        those in ``first`` (what the next forward mutates: module buffers), which may change as
+        soon as this returns. On CUDA the order is kept by events on the copy stream: the copy
+        waits for the training stream's optimizer step, and the training stream waits for the
+        copy of ``first`` before its next kernel; the host blocks for neither.
         """
         self.wait_copied()
         want_gpu = mode == "gpu" and any(t.is_cuda for t in tensors.values())
-        self._ensure(tensors, want_gpu)
-        pairs = []
+        want_gpu = self._ensure(tensors, want_gpu)
+        early, rest = [], []
         targets = self.gpu if want_gpu else self.host
         for es, arena in zip(self.layout, targets):
             for e in es:
-                pairs.append((tensors[e.name], arena.view(e)))
-        stream = None
-        if any(src.is_cuda for src, _ in pairs):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
+                (early if e.name in first else rest).append((tensors[e.name], arena.view(e)))
         self.last_device = "gpu" if want_gpu else "cpu"
-        self._copy = self._pool.submit(self._do_copy, pairs, stream)
+        t0 = time.perf_counter()
+        stream = None
+        cuda = [src.device for src, _ in early + rest if src.is_cuda]
+        if cuda:
+            stream = self._stream(cuda[0])
+            updated = torch.cuda.Event()
+            updated.record(torch.cuda.current_stream(cuda[0]))   # right after the optimizer step
+            stream.wait_event(updated)
+        with torch.no_grad():
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    for src, dst in early:
+                        dst.copy_(src, non_blocking=True)
+                if early:
+                    copied = torch.cuda.Event()
+                    copied.record(stream)
+                    torch.cuda.current_stream(cuda[0]).wait_event(copied)  # the next forward waits
+            else:
+                for src, dst in early:
+                    dst.copy_(src)
+        self._first_s = time.perf_counter() - t0
+        self._copy = self._pool.submit(self._do_copy, rest, stream)
 
     @staticmethod
     def _do_copy(pairs, stream) -> float:
         t0 = time.perf_counter()
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                for src, dst in pairs:
-                    dst.copy_(src, non_blocking=True)
-            stream.synchronize()
-        else:
-            with torch.no_grad():
+        with torch.no_grad():
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    for src, dst in pairs:
+                        dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+                done.synchronize()
+            else:
                 for src, dst in pairs:
                     dst.copy_(src)
         return time.perf_counter() - t0
@@ -178,22 +258,38 @@ class Snapshotter:
         return self._copy is not None and not self._copy.done()
 
     def wait_copied(self) -> float:
-        """The gate: block until the current copy finished; returns seconds waited."""
+        """The gate: block until the current copy finished; returns seconds waited.
+
+        Interrupted (``KeyboardInterrupt``, a signal handler's ``SystemExit``), the copy stays
+        current: the next call waits for it again, so no update or new copy can touch the
+        arenas or the tensors while it runs.
+        """
         if self._copy is None:
             return 0.0
         t0 = time.perf_counter()
-        fut, self._copy = self._copy, None
-        self.last_copy_s = fut.result()
+        try:
+            background_s = self._copy.result()
+        except Exception:
+            self._copy = None   # the copy ended (with an error): nothing runs any more
+            raise
+        self._copy = None
+        self.last_copy_s = self._first_s + background_s
         self.copies += 1
         return time.perf_counter() - t0
 
     def stage_to_host(self) -> None:
-        """After a GPU-memory snapshot: copy the GPU arenas into the host arenas (background)."""
+        """After a GPU-memory snapshot: copy the GPU arenas into the host arenas (background).
+
+        On the copy stream, after the device-to-device copy; waits for its own event only."""
         if not self.gpu or self.last_device != "gpu":
             return
-        for g, h in zip(self.gpu, self.host):
-            h.buf.copy_(g.buf)
-        torch.cuda.synchronize(g.buf.device)
+        stream = self._stream(self.gpu[0].buf.device)
+        with torch.cuda.stream(stream):
+            for g, h in zip(self.gpu, self.host):
+                h.buf.copy_(g.buf, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        done.synchronize()
 
     def close_arenas(self) -> None:
         for a in self.host + self.gpu:

@@ -3,8 +3,11 @@
 Entries are captured at two instants of the same step boundary (invariant 3):
 
 * **early** (right after ``optimizer.step()``, inside ``ckpt.step``): modules, optimizers and
-  tensors (their tensors are copied by the snapshot), and data iterators (their position is
-  "after batch i" only before the next batch is fetched);
+  tensors (their tensors are copied by the snapshot), data iterators (their position is
+  "after batch i" only before the next batch is fetched), and ``GradScaler``\ s (updated inside
+  ``ckpt.step(opt, scaler)``; the next iteration's ``scaler.scale`` reads them). Of these, what
+  a forward mutates in place (:func:`mutable_in_forward`) is copied before ``ckpt.step``
+  returns, the rest while the next iteration runs;
 * **late** (at the boundary: before the next batch is fetched, before the next forward, or at
   the next checkpointer call, whichever comes first): everything else with a ``state_dict``
   (schedulers step *after* ``ckpt.step``), plain values, the optimizers' ``param_groups``
@@ -44,7 +47,8 @@ def classify(state: dict) -> dict[str, str]:
     for k, v in state.items():
         if not isinstance(k, str) or "/" in k or not k:
             raise TypeError(f"state key {k!r} must be a non-empty str without '/'")
-        if isinstance(v, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor)) or is_data_iterator(v):
+        if isinstance(v, (torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.amp.GradScaler)) \
+                or is_data_iterator(v):
             kinds[k] = EARLY
         elif hasattr(v, "state_dict") and hasattr(v, "load_state_dict"):
             kinds[k] = LATE
@@ -65,6 +69,19 @@ def capture(obj: Any) -> Any:
     if hasattr(obj, "state_dict") and not isinstance(obj, (dict, list, tuple)):
         return obj.state_dict()
     return obj
+
+
+def mutable_in_forward(state: dict, tensors: dict[str, torch.Tensor]) -> set[str]:
+    """Names in ``tensors`` (a flattened early capture) of what a forward may mutate in place:
+    the modules' buffers (BatchNorm statistics, EMA buffers, counters) and bare tensors in the
+    state. Found by storage identity, so names under DDP or ``torch.compile`` wrappers match."""
+    live = set()
+    for obj in state.values():
+        if isinstance(obj, torch.nn.Module):
+            live.update((b.device, b.data_ptr()) for b in obj.buffers() if b.numel())
+        elif isinstance(obj, torch.Tensor) and obj.numel():
+            live.add((obj.device, obj.data_ptr()))
+    return {n for n, t in tensors.items() if t.numel() and (t.device, t.data_ptr()) in live}
 
 
 def refresh_optimizer_groups(skeleton: dict, state: dict) -> None:

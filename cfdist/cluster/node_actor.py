@@ -23,6 +23,7 @@ staging hold one lock, so at most one write to the node's tiers is in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -128,10 +129,12 @@ class NodeCheckpointer:
                 raise StaleAttempt(f"persist of step {job.step} from attempt {attempt} refused: the "
                                    f"controller runs attempt {self._attempt} now")
             infos = []
-            for tier, sts in (("memory", self.mem), ("local", self.local)):
+            # RAM is the node's: the memory tier never accumulates epoch-end checkpoints
+            in_memory = dataclasses.replace(job, keep_epoch_ends=0)
+            for tier, sts, jb in (("memory", self.mem, in_memory), ("local", self.local, job)):
                 if sts is None:
                     continue
-                info = write_checkpoint(sts, job)
+                info = write_checkpoint(sts, jb)
                 infos.append(info)
                 self._event("checkpoint_committed", step=job.step, tier=tier, bytes=info.bytes,
                             persist_s=round(info.seconds, 6))
@@ -141,7 +144,7 @@ class NodeCheckpointer:
         if share:
             self._want_shared(job.step)
         return CommitInfo(step=job.step, url=infos[-1].url, bytes=infos[-1].bytes,
-                          seconds=time.perf_counter() - t0,
+                          bytes_logical=infos[-1].bytes_logical, seconds=time.perf_counter() - t0,
                           deleted=tuple(sorted(set().union(*(i.deleted for i in infos)))))
 
     def _node_tiers(self):

@@ -108,6 +108,7 @@ class Auto:
         self._why: dict[int, tuple[str, dict]] = {}   # rank 0: why each proposed k
         self._changes: list[dict] = []
         self._to_save: dict | None = None
+        self._gpu_before_snapshot: tuple | None = None   # (M, Mmax) read before profiling's GPU snapshot
         self.mtbf_s, self.mtbf_source = self.config.mtbf_s, ("given" if self.config.mtbf_s else None)
 
     def __repr__(self) -> str:
@@ -132,6 +133,8 @@ class Auto:
             self._start(step)
         if self.k is None:
             plan = self._profiler.snapshot_at(step - self._first + 1) if self._profiler else None
+            if plan == "gpu":   # training's peak before the snapshot's own GPU arena exists
+                self._gpu_before_snapshot = profiler.gpu_memory(self.ctx.device)
             take = plan is not None or (epoch_end and self.config.at_epoch_end)
             self.mode = plan or self._local_mode
         else:
@@ -226,7 +229,9 @@ class Auto:
         log.info("%s", reason)
 
     def _finish_profile(self, step: int) -> None:
-        M, Mmax = profiler.gpu_memory(self.ctx.device)
+        # M is training's peak without the snapshot: measured after the GPU snapshot, the peak
+        # would hold the snapshot's arena too, and choosing the mode adds the snapshot again.
+        M, Mmax = self._gpu_before_snapshot or profiler.gpu_memory(self.ctx.device)
         self._profile = self._profiler.result(M=M, Mmax=Mmax)
         self._decide(from_cache=None)
 

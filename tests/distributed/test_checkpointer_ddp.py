@@ -121,4 +121,4 @@ def test_two_gloo_ranks_one_writer_same_restore(tmp_path):
     assert r0["equal_to_step6_here"] and r1["equal_to_step6_here"]
     assert r0["ranks_equal"] and r1["ranks_equal"]
     assert r0["latest"] == 9
-    assert [c["step"] for c in cfdist.list_checkpoints(url)] == [9]
+    assert [c["step"] for c in cfdist.list_checkpoints(url)] == [6, 9]   # keep=2, the default

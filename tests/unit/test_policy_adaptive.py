@@ -88,6 +88,33 @@ def test_auto_picks_gpu_snapshots_when_free_gpu_memory_allows(monkeypatch, M, mo
     assert p.stats()["decision"]["mode"] == mode and p.mode == mode
 
 
+def test_spare_gpu_memory_does_not_count_the_snapshot_twice(monkeypatch):
+    """Training peaks at 50 GiB of 80; the 20 GiB snapshot fits (70 <= 76 with 5% headroom).
+
+    Faked (no GPU here): ``profiler.gpu_memory`` (it reads ``torch.cuda``); after profiling's
+    GPU snapshot the peak it reports includes that snapshot's arena, as
+    ``torch.cuda.max_memory_allocated`` would. The point: ``M`` is the peak read before the
+    snapshot existed, so the mode is ``gpu`` (adding the arena to a peak that already holds it
+    would need 90 GiB and pick ``cpu``)."""
+    arena = {"held": False}
+
+    def gpu_memory(device):
+        return ((70 if arena["held"] else 50) << 30, 80 << 30)
+
+    monkeypatch.setattr(profiler, "gpu_memory", gpu_memory)
+    p = Auto(profile_steps=10)
+    p.bind(PolicyContext(device="cuda", state_bytes=20 << 30))
+    for s in range(1, 14):
+        took = p.should_checkpoint(s)
+        if took and p.mode == "gpu":
+            arena["held"] = True      # the checkpointer allocates the GPU arena after the decision
+        p.observe(StepMeasurement(step=s, iter_s=0.1, update_s=0.01, checkpointed=took,
+                                  snapshot_s=0.01 if took else None, snapshot_device=p.mode if took else None,
+                                  persist_s=0.3 if s == 11 else None, persist_bytes=(20 << 30) if s == 11 else None))
+    assert p.stats()["profile"]["M"] == 50 << 30
+    assert p.stats()["decision"]["mode"] == "gpu"
+
+
 # ---- the tuner, window by window --------------------------------------------------------------
 def _tuner(k=10, **cfg):
     prof = Profile(Ti=0.1, Tw=0.01, Tc=0.01, Ts=0.5, m=1000)

@@ -3,8 +3,9 @@
 Not a test module. Run as a *fork server* (``python ckpt_child.py``): it imports torch and
 cfdist once, then reads one JSON command per line on stdin and answers one JSON line on stdout:
 
-* ``{"op": "start", "prog": "crash"|"bitexact", "args": {...}}`` -> ``{"pid": N}``: forks a
+* ``{"op": "start", "prog": "crash"|"bitexact"|"zoo", "args": {...}}`` -> ``{"pid": N}``: forks a
   child that runs the program and ``_exit``\\ s (0 on success, 1 with ``<out>/error-<run>.txt``);
+  with ``args["group"]`` the child leads its own process group (a job that forks its ranks);
 * ``{"op": "poll", "pid": N}`` -> ``{"pid": N, "code": rc}``: ``rc`` is None while it runs, the
   exit status once it ended (``-9`` after SIGKILL; the child is reaped, its status kept);
 * ``{"op": "quit"}``.
@@ -196,7 +197,85 @@ def bitexact(a: dict) -> None:
                os.path.join(a["out"], f"final-{a['run']}.pt"))
 
 
-PROGRAMS = {"crash": crash, "bitexact": bitexact}
+# ---- the model zoo: whole jobs (one or several gloo ranks) killed and restarted -----------------
+
+def zoo(a: dict) -> None:
+    """A job of ``a["world"]`` ranks training zoo model ``a["model"]`` for ``a["total"]`` updates.
+
+    With one rank the job is this process. With several, this process is the launcher: it
+    forks the ranks (they share its process group, so the test kills the whole job with one
+    ``killpg``), waits for them, and fails with the first failing rank's traceback. Each rank
+    seeds its RNG with ``seed + rank`` (per-rank dropout masks). ``a["url"]`` None: the
+    uninterrupted reference, no cfdist at all; else ``Every(a["k"])`` checkpoints and a restore
+    first. Rank 0 reports ``restore-<run>.json`` and ``progress-<run>.json`` (updates done);
+    every rank saves its final state to ``final-<run>-rank<r>.pt``.
+    """
+    world = a.get("world", 1)
+    if world == 1:
+        return zoo_rank(a, 0)
+    ranks = {}
+    for r in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                zoo_rank(a, r)
+            except BaseException:  # noqa: BLE001 - reported to the launcher, which fails on it
+                code = 1
+                with open(os.path.join(a["out"], f"error-{a['run']}-rank{r}.txt"), "w") as f:
+                    f.write(traceback.format_exc())
+            os._exit(code)
+        ranks[pid] = r
+    failed = None
+    while ranks:
+        pid, status = os.wait()
+        r = ranks.pop(pid)
+        if os.waitstatus_to_exitcode(status) != 0 and failed is None:
+            failed = r
+            for other in ranks:    # the others would wait in a collective forever
+                os.kill(other, signal.SIGKILL)
+    if failed is not None:
+        path = os.path.join(a["out"], f"error-{a['run']}-rank{failed}.txt")
+        raise RuntimeError(f"rank {failed} failed:\n" + (open(path).read() if os.path.exists(path) else "?"))
+
+
+def zoo_rank(a: dict, rank: int) -> None:
+    import zoo_models
+
+    world, out, run = a.get("world", 1), a["out"], a["run"]
+    torch.use_deterministic_algorithms(True)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{out}/store-{run}",
+                                         rank=rank, world_size=world)
+    spec = zoo_models.MODELS[a["model"]](a["total"], world)   # the same weights on every rank
+    torch.manual_seed(a["seed"] + rank)                      # then each rank its own dropout masks
+    random.seed(a["seed"] + rank)
+    np.random.seed(a["seed"] + rank)
+    ckpt, step = None, 0
+    if a["url"] is not None:
+        ckpt = cfdist.Checkpointer(spec.state(), a["url"], cfdist.Every(a["k"]))
+        step = ckpt.restore() or 0
+        if rank == 0:
+            report(out, f"restore-{run}.json", {"restored": step or None})
+    while step < a["total"]:
+        spec.iteration(step, a["seed"], rank, ckpt)
+        step += 1
+        if rank == 0:
+            report(out, f"progress-{run}.json", {"step": step})
+    if ckpt is not None:
+        ckpt.close()
+    model = getattr(spec.model, "_orig_mod", spec.model)
+    model = getattr(model, "module", model)
+    final = {"model": model.state_dict(), "optim": spec.optim.state_dict(), "rng": torch.get_rng_state(),
+             "python_rng": random.getstate()[1], "numpy_rng": np.random.get_state()[1]}
+    if spec.sched is not None:
+        final["sched"] = spec.sched.state_dict()
+    if spec.scaler is not None:
+        final["scaler"] = spec.scaler.state_dict()
+    torch.save(final, os.path.join(out, f"final-{run}-rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+PROGRAMS = {"crash": crash, "bitexact": bitexact, "zoo": zoo}
 
 
 def _child(prog: str, args: dict) -> None:
@@ -233,9 +312,17 @@ def serve() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "start":
+            group = bool(cmd["args"].get("group"))
             pid = os.fork()
             if pid == 0:
+                if group:    # its own process group, so killpg stops the ranks it forks too
+                    os.setpgid(0, 0)
                 _child(cmd["prog"], cmd["args"])
+            if group:        # also here: no answer leaves before the group exists
+                try:
+                    os.setpgid(pid, pid)
+                except OSError:   # the child was first (EACCES) or already ended (ESRCH)
+                    pass
             answer = {"pid": pid}
         elif cmd["op"] == "poll":
             if cmd["pid"] not in ended:

@@ -30,6 +30,7 @@ class Children:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.log_path = log_path
         self.live: set[int] = set()
+        self.groups: set[int] = set()    # live children that lead a process group (a whole job)
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-u", str(HERE / "ckpt_child.py")], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
@@ -47,18 +48,25 @@ class Children:
         """Fork a child running ``prog(args)``; returns its pid (the caller may SIGKILL it)."""
         pid = self._ask(op="start", prog=prog, args=args)["pid"]
         self.live.add(pid)
+        if args.get("group"):
+            self.groups.add(pid)
         return pid
 
     def poll(self, pid: int) -> int | None:
         code = self._ask(op="poll", pid=pid)["code"]
         if code is not None:
             self.live.discard(pid)
+            self.groups.discard(pid)
         return code
 
     def kill_all(self) -> None:
-        """SIGKILL every child still running (a failed test must not leave one training)."""
+        """SIGKILL every child still running, with the ranks of group leaders (a failed test
+        must not leave one training)."""
         for pid in sorted(self.live):
-            self.kill(pid)
+            if pid in self.groups:
+                self.kill_group(pid)
+            else:
+                self.kill(pid)
 
     def kill(self, pid: int) -> int:
         """SIGKILL child ``pid`` unless it already ended; returns its exit status.
@@ -70,6 +78,16 @@ class Children:
         if code is not None:
             return code
         os.kill(pid, signal.SIGKILL)
+        return self.wait(pid, timeout=30)
+
+    def kill_group(self, pid: int) -> int:
+        """SIGKILL the whole job child ``pid`` leads (started with ``group=True``: it and the
+        ranks it forked) unless it already ended; returns the leader's exit status. Ranks the
+        leader forked are reparented when it dies and reaped by the system."""
+        code = self.poll(pid)
+        if code is not None:
+            return code
+        os.killpg(pid, signal.SIGKILL)   # the group exists: the server set it before answering
         return self.wait(pid, timeout=30)
 
     def wait(self, pid: int, timeout: float) -> int:
@@ -152,3 +170,23 @@ def train():
             opt.zero_grad()
 
     return run
+
+
+@pytest.fixture
+def committed_run(tmp_path, mlp_state, train):
+    """``committed_run(every, n)``: ``(url, root)`` of a ``file://`` run of ``n`` steps of the small
+    MLP (``mlp_state()``, ``train``) with ``Every(every)`` and ``keep=2``: steps ``n - every`` and
+    ``n`` are committed."""
+    import cfdist
+
+    def make(every: int, n: int):
+        root = tmp_path / "ckpt"
+        url = f"file://{root}"
+        model, opt, sched = mlp_state()
+        ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(every), keep=2)
+        train(model, opt, ckpt, n, sched)
+        ckpt.close()
+        assert [c["step"] for c in cfdist.list_checkpoints(url)] == [n - every, n]
+        return url, root
+
+    return make

@@ -161,10 +161,11 @@ def test_disk_full_during_persist_keeps_training_and_the_previous_checkpoint(tmp
     assert ckpt.latest_step == 6 and ckpt.stats["checkpoints"] == 2
     ckpt.wait()                                            # raised once
     ckpt.close()
-    assert committed_steps(open_storage(f"file://{root}")) == [6]
+    assert committed_steps(open_storage(f"file://{root}")) == [2, 6]   # keep=2, the default
 
     fresh = cfdist.Checkpointer(dict(zip(("model", "optim", "sched"), mlp_state(seed=1))), f"file://{root}",
                                 cfdist.Every(2))
     assert fresh.restore() == 6
-    assert sorted(p.name for p in root.iterdir()) == ["history.json", "step-000000006"]
+    assert sorted(p.name for p in root.iterdir()) == ["STRIPE.json", "history.json", "step-000000002",
+                                                      "step-000000006"]
     fresh.close()

@@ -9,6 +9,7 @@ import torch
 
 import cfdist
 from cfdist.checkpoint.format import MANIFEST, parse_step_dir
+from cfdist.checkpoint.roots import IDENTITY
 from cfdist.data import ResumableLoader
 from cfdist.storage import open_storage
 from cfdist.storage.faults import StorageWrapper
@@ -48,7 +49,7 @@ def test_keep_one_leaves_one_checkpoint_and_deletes_only_after_a_newer_commit(tm
     train(model, opt, ckpt, 12, sched)
     ckpt.close()
 
-    dirs = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name != "history.json")
+    dirs = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name not in ("history.json", IDENTITY))
     assert dirs == ["step-000000012"]
     committed: set[int] = set()
     removed = []
@@ -73,15 +74,16 @@ class Positions(torch.utils.data.Dataset):
         return torch.full((16,), float(i))
 
 
-@pytest.mark.parametrize("keep_epoch_ends, left", [(True, [4, 8, 12, 13]), (False, [12, 13])])
+@pytest.mark.parametrize("keep_epoch_ends, left", [(True, [4, 8, 12, 13]), (1, [12, 13]), (2, [8, 12, 13]),
+                                                   (False, [12, 13]), (0, [12, 13])])
 def test_epoch_end_checkpoints_are_kept(memory_url, mlp_state, keep_epoch_ends, left):
-    """Checkpoints at epoch ends survive retention unless ``keep_epoch_ends=False``.
+    """The ``keep_epoch_ends`` most recent epoch-end checkpoints survive retention (True: all).
 
     Real: a ResumableLoader (4 batches per epoch, so epochs end at steps 4, 8, 12), the
     Checkpointer with ``Every(3, at_epoch_end=True)`` and ``keep=2``, ``memory://`` storage.
     Faked: nothing.
     The point: after 13 steps (checkpoints 3, 4, 6, 8, 9, 12 and a final save at 13), the two
-    newest and, with ``keep_epoch_ends``, every epoch end are left, and their manifests say
+    newest and the ``keep_epoch_ends`` most recent epoch ends are left, and their manifests say
     ``epoch_end``.
     """
     model, opt, sched = mlp_state()
@@ -101,3 +103,25 @@ def test_epoch_end_checkpoints_are_kept(memory_url, mlp_state, keep_epoch_ends, 
     found = cfdist.list_checkpoints(memory_url)
     assert [c["step"] for c in found] == left
     assert {c["step"]: c["epoch_end"] for c in found if c["epoch_end"]} == {s: True for s in left if s % 4 == 0}
+
+
+def test_defaults_keep_two_and_no_epoch_ends(memory_url, mlp_state):
+    """By default the two newest checkpoints are kept (restore can fall back one) and no epoch
+    end beyond them. Real: the Checkpointer on ``memory://``. Faked: nothing."""
+    model, opt, _ = mlp_state()
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, memory_url, cfdist.Every(1))
+    assert (ckpt.config.keep, ckpt.config.keep_epoch_ends) == (2, 0)
+    for _ in range(4):
+        model(torch.ones(2, 16)).sum().backward()
+        ckpt.step(opt)
+        opt.zero_grad()
+    ckpt.close()
+    assert [c["step"] for c in cfdist.list_checkpoints(memory_url)] == [3, 4]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "all", None])
+def test_keep_epoch_ends_must_be_a_count(memory_url, mlp_state, bad):
+    """A wrong ``keep_epoch_ends`` fails at construction naming the value and what it means."""
+    model, opt, _ = mlp_state()
+    with pytest.raises(ValueError, match=rf"keep_epoch_ends must be an int >= 0 .*got {bad!r}"):
+        cfdist.Checkpointer({"model": model, "optim": opt}, memory_url, cfdist.Every(1), keep_epoch_ends=bad)

@@ -182,3 +182,138 @@ def test_gpu_memory_snapshot_is_the_end_of_its_iteration(memory_url):
     for name, t in fresh.state_dict().items():
         assert t.is_cuda and torch.equal(t, model.state_dict()[name])
     ckpt2.close()
+
+
+class _MutatingBuffers(torch.nn.Module):
+    """Every forward mutates buffers in place before anything else: BatchNorm running
+    statistics and its ``num_batches_tracked``, an EMA buffer and a counter. ``big`` comes
+    first in the state dict, so a copy of the state still runs when the next forward begins."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.big = torch.nn.Linear(width, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.register_buffer("ema", torch.zeros(width))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.head = torch.nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = self.bn(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+            self.seen += 1
+        return self.head(torch.relu(self.big(h)))
+
+
+def test_buffers_a_forward_mutates_are_those_of_the_end_of_the_iteration(memory_url):
+    """With ``Every(1)``, no checkpoint holds buffers the next forward already changed.
+
+    Real: the Checkpointer (snapshot thread, thread persist backend, ``memory://``), a module
+    whose forward first updates BatchNorm statistics, an EMA buffer and a counter in place, a
+    16 MB weight and Adam state copied while the next iteration runs.
+    Faked: nothing. The buffers are copied right after ``ckpt.step`` returns (small), the rest
+    at the next gate, when the forward cannot have changed parameters.
+    The point: every checkpoint's buffers equal the copy taken the instant ``ckpt.step``
+    returned, and its parameters and Adam moments those after its own update.
+    """
+    torch.manual_seed(0)
+    model = _MutatingBuffers(2048)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, memory_url, cfdist.Every(1), keep=100)
+    g = torch.Generator().manual_seed(1)
+    want: dict[int, dict] = {}
+    steps = 8
+    for i in range(1, steps + 1):
+        x = torch.randn(8, 2048, generator=g)
+        model(x).pow(2).mean().backward()
+        if i - 1 in want:   # forward i changed no parameter: these are still those of update i-1
+            want[i - 1]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            want[i - 1]["optim"] = copy.deepcopy(opt.state_dict()["state"])
+        ckpt.step(opt)
+        want[i] = {"buffers": {n: b.clone() for n, b in model.named_buffers()}}
+        opt.zero_grad()
+    want[steps]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want[steps]["optim"] = copy.deepcopy(opt.state_dict()["state"])
+    ckpt.close()
+    assert ckpt.stats["checkpoints"] == steps and ckpt.stats["errors"] == 0
+    for step, w in want.items():
+        got = cfdist.load(memory_url, step=step)["state"]
+        for n, b in w["buffers"].items():
+            assert torch.equal(got["model"][n], b), f"step {step}: buffer {n} holds another iteration's value"
+        assert int(got["model"]["seen"]) == step
+        for n, p in w["params"].items():
+            assert torch.equal(got["model"][n], p), f"step {step}: parameter {n}"
+        for i, s in w["optim"].items():
+            for key, t in s.items():
+                assert torch.equal(got["optim"]["state"][i][key], t), f"step {step}: optimizer {i}.{key}"
+
+
+def _amp_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def test_grad_scaler_steps_inside_the_gate_and_is_checkpointed(memory_url):
+    """``ckpt.step(opt, scaler=scaler)`` with fp16 autocast on the CPU: the scaler's state at
+    each checkpoint is the one after its ``update()`` of that step, and a restore gives it back.
+
+    Real: ``torch.autocast("cpu", torch.float16)``, a ``torch.amp.GradScaler("cpu")`` whose
+    scale grows every 2 steps and backs off on overflow (the huge initial scale overflows),
+    AdamW, the Checkpointer on ``memory://``. Faked: nothing.
+    The point: the run with ``ckpt.step`` is bit-identical to one with
+    ``scaler.step(opt); scaler.update()`` (the scaler skipped the overflowing steps in both),
+    and each checkpoint holds that step's scaler state.
+    """
+    def run(ckpt_url):
+        model = _amp_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=2)
+        ckpt = (cfdist.Checkpointer({"model": model, "optim": opt, "scaler": scaler}, ckpt_url, cfdist.Every(1),
+                                    keep=100) if ckpt_url else None)
+        g = torch.Generator().manual_seed(3)
+        scales = {}
+        for i in range(1, 9):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16, generator=g)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if ckpt is not None:
+                ckpt.step(opt, scaler=scaler)
+            else:
+                scaler.step(opt)
+                scaler.update()
+            scales[i] = scaler.state_dict()
+            opt.zero_grad()
+        if ckpt is not None:
+            ckpt.close()
+        return model, scales
+
+    ref, ref_scales = run(None)
+    model, scales = run(memory_url)
+    assert scales == ref_scales
+    assert len({s["scale"] for s in scales.values()}) > 2, f"the scale never moved: {scales}"
+    for n, t in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[n], t), n
+    for step, want in scales.items():
+        assert cfdist.load(memory_url, step=step)["state"]["scaler"] == want, f"step {step}"
+
+    fresh = _amp_model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_scaler = torch.amp.GradScaler("cpu")
+    ck = cfdist.Checkpointer({"model": fresh, "optim": fresh_opt, "scaler": fresh_scaler}, memory_url, cfdist.Every(1))
+    assert ck.restore() == 8
+    assert fresh_scaler.state_dict() == scales[8]
+    ck.close()
+
+
+def test_step_rejects_a_scaler_with_a_closure_or_without_an_optimizer(memory_url):
+    """Bad calls name the problem and the fix. Real: the Checkpointer; nothing else runs."""
+    model = _amp_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, memory_url, cfdist.Every(1))
+    with pytest.raises(ValueError, match="closure"):
+        ckpt.step(opt, lambda: None, scaler=scaler)
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        ckpt.step(scaler=scaler)
+    assert ckpt.step_count == 0
+    ckpt.close()

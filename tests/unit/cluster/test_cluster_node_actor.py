@@ -90,7 +90,7 @@ def test_persist_writes_memory_and_local_then_shared_in_background(actors, share
     assert max(backend.sent_bytes) < 16_000, "jobs must carry arena paths, not tensor bytes"
     assert a.flush_shared() == 8
     h = a.holdings(with_shared=True)
-    assert h["memory"] == [8] and h["local"] == [8] and 8 in h["shared"]
+    assert h["memory"] == [6, 8] and h["local"] == [6, 8] and 8 in h["shared"]   # keep=2 (default)
     evs = a.drain_events()
     assert {(e["step"], e["tier"]) for e in evs} >= {(2, "memory"), (2, "local"), (8, "memory"), (8, "local"), (8, "shared")}
     assert a.drain_events() == []
@@ -134,3 +134,59 @@ def test_a_replaced_attempt_cannot_persist(actors):
         ck.wait()
     ck.close()
     assert a.holdings()["memory"] == []
+
+
+@pytest.mark.parametrize("shared", ["file"], indirect=True)
+def test_memory_tier_never_accumulates_epoch_ends(actors):
+    """``keep_epoch_ends=True`` keeps every epoch end on the node-local disk, never in /dev/shm.
+
+    Real: a Checkpointer with a ResumableLoader (2 batches per epoch: epochs end at steps 2, 4,
+    6, 8), ``Every(1)``, ``keep=1``, the actor's memory and local tiers. Faked: Ray (the actor
+    class is called in-process). The point: the memory tier holds the newest checkpoint only.
+    """
+    from cfdist.data import ResumableLoader
+
+    a = actors[0]
+    a.begin_attempt(0, shared_writer=False)
+    tiers = a.ready()
+    m, opt = _state()
+    loader = ResumableLoader(torch.randn(8, 64), 4, seed=0, rank=0, world_size=1)
+    ck = cfdist.Checkpointer({"model": m, "optim": opt, "data": loader}, tiers["memory"], cfdist.Every(1),
+                             writer=True, backend=InProcess(a), restore_from=tiers["local"], keep=1,
+                             keep_epoch_ends=True)
+    while ck.step_count < 8:
+        for x in loader:
+            m(x).sum().backward()
+            ck.step(opt)
+            opt.zero_grad()
+    ck.close()
+    h = a.holdings()
+    assert h["memory"] == [8]
+    assert h["local"] == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("shared", ["file"], indirect=True)
+def test_the_actor_encodes_and_a_chain_travels_whole_to_shared_storage_and_peers(actors, shared):
+    """Codecs run in the actor (the job carries them, not the training process); an increment
+    copied to the shared tier or to a peer brings the checkpoints it depends on."""
+    a, b = actors
+    a.begin_attempt(0, shared_writer=True)
+    tiers = a.ready()
+    m, opt = _state()
+    with torch.no_grad():
+        m.weight.zero_()
+    ck = cfdist.Checkpointer({"model": m}, tiers["memory"], cfdist.Every(1), writer=True, backend=InProcess(a),
+                             codecs=[cfdist.codecs.Incremental(full_every=None)], keep=1)
+    for i in range(4):          # one row changes per step: every checkpoint after the first is an increment
+        with torch.no_grad():
+            m.weight[i] += 1
+        ck.step()
+    ck.close()
+    assert a.holdings()["memory"] == [1, 4] and a.holdings()["local"] == [1, 4]    # 4 needs 1
+    assert a.flush_shared(4) == 4 and "step-000000001" in open_storages(tiers["shared"])[0].listdir("")
+    loaded = cfdist.load(tiers["shared"], 4)["state"]["model"]
+    assert torch.equal(loaded["weight"], m.weight.detach())
+    assert transfer.commit_frozen(a.export(4), 4, open_storages(b.ready()["memory"]), source="peer A", keep=1)
+    assert b.holdings()["memory"] == [1, 4]
+    assert torch.equal(cfdist.load(b.ready()["memory"], 4)["state"]["model"]["weight"], m.weight.detach())
+

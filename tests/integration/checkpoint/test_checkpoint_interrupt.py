@@ -1,0 +1,149 @@
+"""Interrupts (Ctrl-C, a SIGTERM handler's SystemExit) propagate out of the checkpointer, and a
+checkpoint interrupted while waiting for the in-flight persist never mixes two steps."""
+
+from __future__ import annotations
+
+import copy
+import linecache
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import cfdist
+from cfdist.checkpoint.discovery import committed_steps
+from cfdist.storage import open_storage
+from cfdist.storage.faults import StorageWrapper
+
+
+class Held(StorageWrapper):
+    """A storage whose writes block while it is held (a stalled disk or network mount)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.free = threading.Event()
+        self.free.set()
+
+    def hold(self) -> None:
+        self.free.clear()
+
+    def release(self) -> None:
+        self.free.set()
+
+    def write_file(self, rel, chunks, *, fsync: bool = True) -> int:
+        self.free.wait()
+        return super().write_file(rel, chunks, fsync=fsync)
+
+
+def _main_blocked_in(fn: str) -> bool:
+    """Whether the main thread is blocked (innermost frame ``wait``) inside the checkpointer's
+    method ``fn``."""
+    f = sys._current_frames().get(threading.main_thread().ident)
+    if f is None or f.f_code.co_name != "wait" or "waiter.acquire()" not in linecache.getline(
+            f.f_code.co_filename, f.f_lineno):
+        return False    # only inside the blocking acquire: elsewhere in Condition.wait an async
+        # exception can leave the condition's lock in a state no caller can handle
+    while f is not None:
+        if f.f_code.co_name == fn and f.f_code.co_filename.endswith("checkpointer.py"):
+            return True
+        f = f.f_back
+    return False
+
+
+def _when_main_blocked_in(fn: str, action, timeout: float = 30.0) -> threading.Thread:
+    """On a helper thread: once the main thread blocks inside ``fn``, run ``action()``."""
+    def watch():
+        deadline = time.monotonic() + timeout
+        while not _main_blocked_in(fn):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
+        action()
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture
+def sigterm_exits():
+    """A preemption handler as users write it: SIGTERM raises SystemExit in the main thread."""
+    def handler(signum, frame):
+        raise SystemExit(143)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+def test_interrupt_in_the_wait_for_the_persist_propagates_and_mixes_nothing(memory_url, sigterm_exits, request):
+    """KeyboardInterrupt and SystemExit raised into the checkpointer's waits reach the caller,
+    and training that continues afterwards commits only checkpoints of a single step each.
+
+    Real: the Checkpointer with its snapshot thread and thread persist backend on ``memory://``,
+    signals delivered to the main thread (SIGINT -> KeyboardInterrupt, a SIGTERM handler ->
+    SystemExit) exactly while it waits for the persist in flight.
+    Faked: the storage stalls (``Held``: writes block until released), so a persist is in
+    flight for as long as the test needs; the signal instant is found by inspecting the main
+    thread's stack.
+    The point: (1) the interrupt at a checkpoint step's wait for the previous persist
+    propagates; (2) the next checkpoint step waits for that same persist again instead of
+    copying into the arenas it is still writing; (3) ``ckpt.wait()`` interrupted propagates and
+    can be called again; (4) every committed checkpoint equals the state of its own step.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    held = Held(open_storage(memory_url))
+    request.addfinalizer(held.release)   # a failing test must not leave the persist thread blocked
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, held, cfdist.Every(2), keep=100)
+    main = threading.main_thread().ident
+    g = torch.Generator().manual_seed(1)
+    want: dict[int, dict] = {}
+
+    def step() -> None:
+        model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+        try:
+            ckpt.step(opt)
+        finally:
+            opt.zero_grad()
+            want[ckpt.step_count] = {"model": copy.deepcopy(model.state_dict()),
+                                     "optim": copy.deepcopy(opt.state_dict()["state"])}
+
+    step()
+    held.hold()
+    step()                      # step 2: snapshot, its persist blocks in the storage
+    step()
+    _when_main_blocked_in("_wait_inflight", lambda: signal.pthread_kill(main, signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        step()                  # step 4 waits for persist 2: interrupted there
+    assert ckpt.step_count == 4 and held.free.is_set() is False
+    step()
+    waited_again = []
+    _when_main_blocked_in("_wait_inflight", lambda: (waited_again.append(True), held.release()))
+    step()                      # step 6 must wait for persist 2 again before reusing its arenas
+    assert waited_again == [True], "step 6 did not wait for the persist the interrupt left in flight"
+
+    ckpt.wait()                 # persist 6 committed
+    held.hold()
+    step()
+    step()                      # step 8: snapshot, persist blocked
+    _when_main_blocked_in("_wait_inflight", lambda: signal.pthread_kill(main, signal.SIGTERM))
+    with pytest.raises(SystemExit):
+        ckpt.wait()
+    held.release()
+    ckpt.wait()
+    ckpt.close()
+
+    assert committed_steps(open_storage(memory_url)) == [2, 6, 8]
+    assert ckpt.stats["errors"] == 0
+    for s in (2, 6, 8):
+        got = cfdist.load(memory_url, step=s)["state"]
+        for n, t in want[s]["model"].items():
+            assert torch.equal(got["model"][n], t), f"step {s}: {n} is not the state of step {s}"
+        for i, st in want[s]["optim"].items():
+            for key, t in st.items():
+                assert torch.equal(got["optim"]["state"][i][key], t), f"step {s}: optimizer {i}.{key}"
