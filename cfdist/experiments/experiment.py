@@ -2,14 +2,14 @@
 
 ::
 
-    cfdist experiment --out cfdist-runs/experiment            # or: python -m cfdist.chaos.experiment
+    cfdist experiment --out cfdist-runs/experiment            # or: python -m cfdist.experiments.experiment
 
-    from cfdist.chaos.experiment import ExperimentConfig, run_experiment
+    from cfdist.experiments.experiment import ExperimentConfig, run_experiment
     res = run_experiment(ExperimentConfig(out_dir="cfdist-runs/exp", mtbf_s=8.0))
     print(res.run("auto").measured.goodput, res.run("auto").prediction.relative_error)
 
 For each policy (default: the epoch-boundary baseline ``EveryEpoch``, ``Every(10)``, ``Auto`` and
-the failure-aware ``Auto(mtbf_s=...)``) the small job of :mod:`cfdist.chaos.workload` runs under
+the failure-aware ``Auto(mtbf_s=...)``) the small job of :mod:`cfdist.experiments.workload` runs under
 ``cfdist.fit`` on Ray while the failure injector executes the schedule (rank crashes, node
 preemptions with notice and their return), after one failure-free run that sets goodput's
 yardstick. Each run's event log is then measured (:mod:`cfdist.chaos.metrics`), the simulator is
@@ -19,7 +19,7 @@ given the costs measured over all runs and replays every policy under the same s
 simulated, lost work per failure, recovery time by phase).
 
 Without ``ray_address`` (and with no Ray initialised in the process) the runs use a fake
-``num_nodes``-node cluster on this machine (:class:`~cfdist.chaos.local_cluster.LocalCluster`),
+``num_nodes``-node cluster on this machine (:class:`~cfdist.experiments.local_cluster.LocalCluster`),
 started once for all runs. The schedule's clock starts when a run's first worker group runs.
 
 This module is an entry point: it imports :func:`cfdist.fit` (and so Ray) lazily, inside
@@ -273,14 +273,14 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
     """Run the baseline and every policy, measure, simulate, write the report; return it all.
 
     Blocks for the whole experiment (about ``steps * step_s`` plus recoveries, per run). Call
-    from a driver process. ``cluster``: a started :class:`~cfdist.chaos.local_cluster.LocalCluster`
+    from a driver process. ``cluster``: a started :class:`~cfdist.experiments.local_cluster.LocalCluster`
     to reuse (needed for ``node_loss="remove"`` when Ray is already initialised); otherwise one is
     started and stopped here unless ``ray_address`` is set or Ray is already initialised.
     Raises :class:`ExperimentError` if a run gives up.
     """
     import ray
 
-    from cfdist.chaos.local_cluster import LocalCluster
+    from cfdist.experiments.local_cluster import LocalCluster
 
     out = os.path.abspath(config.out_dir)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
@@ -325,7 +325,7 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
 
 def _run_one(config: ExperimentConfig, name: str, spec: str | None, schedule, cluster, out: str):
     from cfdist.api import fit
-    from cfdist.chaos.workload import train_loop
+    from cfdist.experiments.workload import train_loop
     from cfdist.cluster.result import FitError
     from cfdist.policy import Every
 
@@ -483,7 +483,7 @@ def register(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m cfdist.chaos.experiment [options]``."""
+    """``python -m cfdist.experiments.experiment [options]``."""
     p = argparse.ArgumentParser(prog="cfdist experiment", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return _cli(p.parse_args(argv))
