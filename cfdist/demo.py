@@ -65,7 +65,7 @@ def summary_table(result, title: str = "cfdist.fit summary"):
     t.add_row("steps executed (incl. redone)", str(result.steps))
     t.add_row("failures", str(result.failures))
     t.add_row("lost iterations", ", ".join(map(str, result.lost_iterations)) or "-")
-    t.add_row("recovery seconds", ", ".join(f"{s:.2f}" for s in result.recovery_seconds) or "-")
+    t.add_row("recovery seconds", ", ".join("-" if s is None else f"{s:.2f}" for s in result.recovery_seconds) or "-")
     t.add_row("restored from", ", ".join(f.tier for f in result.failure_stats) or "-")
     t.add_row("checkpoint overhead", f"{100 * result.overhead:.2f}%")
     t.add_row("wall seconds", f"{result.wall_s:.1f}")

@@ -23,7 +23,7 @@ from typing import Callable
 from cfdist.cluster.config import FitConfig
 from cfdist.cluster.decisions import Failure, FailurePolicy, ScalingPolicy, choose_restore
 from cfdist.cluster.events import EventLog
-from cfdist.cluster.result import FailureStats, FitError, FitResult
+from cfdist.cluster.result import FitError, FitResult, failure_stats
 from cfdist.cluster.states import (
     ClusterBackend, ControllerState, FailedState, FinishedState, GroupStatus, RecoveringState, RunningState,
 )
@@ -47,7 +47,6 @@ class Controller:
         self.scaling = ScalingPolicy(num_nodes=config.num_nodes, min_nodes=config.min_nodes)
         self.state: ControllerState = RecoveringState()
         self.attempt = -1
-        self.failures: list[FailureStats] = []   # recovered failures, with their timings
         self.num_failures = 0                      # failures tolerated so far
         self.step_now = 0            # rank 0's newest finished step
         self.executed = 0            # steps executed by finished attempts
@@ -220,11 +219,6 @@ class Controller:
         self.events.emit("restored", t=t, step=r["step"], tier=tier, detect_s=round(detect_s, 6),
                          restart_s=round(restart_s, 6), restore_s=round(restore_s, 6),
                          load_s=r.get("restore_s"), stage_s=round(rec.get("stage_s", 0.0), 6))
-        if rec.get("failure") is not None:
-            f = rec["failure"]
-            self.failures.append(FailureStats(
-                kind=f.kind, step=f.step, restored_step=r["step"], tier=tier, detect_s=detect_s,
-                restart_s=restart_s, restore_s=restore_s, world_size=rec.get("world_size", 0)))
 
     def _on_commit(self, st: RunningState, c: dict) -> ControllerState | None:
         key = (c["step"], c["tier"])
@@ -306,13 +300,6 @@ class Controller:
             return FailedState(FitError(
                 f"giving up: {decision.reason}. Last error: {failure.message or failure.kind}. Fix the "
                 f"error, or raise max_failures"))
-        prev = self._recovery
-        if prev is not None and prev.get("failure") is not None:
-            # A failure during recovery: the earlier one never resumed; record it as such.
-            self.failures.append(FailureStats(
-                kind=prev["failure"].kind, step=prev["failure"].step, restored_step=0, tier="none",
-                detect_s=prev["detected_at"] - prev["failed_at"],
-                restart_s=failure.detected_at - prev["detected_at"], restore_s=0.0, world_size=0))
         self._recovery = {"failure": failure, "failed_at": failure.failed_at, "detected_at": failure.detected_at}
         return RecoveringState(failure)
 
@@ -334,7 +321,7 @@ class Controller:
         value = self.state.value if isinstance(self.state, FinishedState) else None
         return FitResult(
             final_step=self.step_now, steps=self.executed, failures=self.num_failures,
-            failure_stats=tuple(self.failures),
+            failure_stats=failure_stats(self.events.records),
             overhead=self._stall_s / self._running_s if self._running_s > 0 else 0.0,
             checkpoint=self._final_url, value=value, wall_s=self.clock() - self._t0,
             event_log=self.events.path, world_sizes=tuple(self._world_sizes),
