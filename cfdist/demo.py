@@ -67,6 +67,8 @@ def summary_table(result, title: str = "cfdist.fit summary"):
     t.add_row("lost iterations", ", ".join(map(str, result.lost_iterations)) or "-")
     t.add_row("recovery seconds", ", ".join("-" if s is None else f"{s:.2f}" for s in result.recovery_seconds) or "-")
     t.add_row("restored from", ", ".join(f.tier for f in result.failure_stats) or "-")
+    t.add_row("world sizes", " -> ".join(map(str, result.world_sizes)) or "-")
+    t.add_row("injections skipped", "; ".join(r.get("reason", "?") for r in result.skipped_injections) or "none")
     t.add_row("checkpoint overhead", f"{100 * result.overhead:.2f}%")
     t.add_row("wall seconds", f"{result.wall_s:.1f}")
     t.add_row("final checkpoint", str(result.checkpoint))

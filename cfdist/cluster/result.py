@@ -81,6 +81,10 @@ class FitResult:
     event_log: str | None = None
     world_sizes: tuple[int, ...] = ()
     """World size of each attempt, in order (elastic runs change it)."""
+    skipped_injections: tuple[dict, ...] = ()
+    """Scheduled failures that were not executed, each an event-log record with its ``reason``
+    (e.g. a preemption due while the job was already recovering). Retargeted ones (their target
+    was missing from a smaller group) are executed and logged as ``injection_retargeted``."""
     extra: dict = field(default_factory=dict)
 
     @property

@@ -2,8 +2,6 @@
 
 * :mod:`~cfdist.experiments.experiment`: the same job under the same failure schedule, once per
   checkpoint policy, measured and simulated side by side (``cfdist experiment``).
-* :mod:`~cfdist.experiments.local_cluster`: :class:`LocalCluster`, simulated Ray nodes on one
-  machine (``ray.cluster_utils.Cluster``), each with its own local-disk directory.
 * :mod:`~cfdist.experiments.workload`: the small training job the experiment runs on every rank.
 
 The pure parts (schedules, traces, simulator, metrics, calibration, report) live in

@@ -19,7 +19,7 @@ given the costs measured over all runs and replays every policy under the same s
 simulated, lost work per failure, recovery time by phase).
 
 Without ``ray_address`` (and with no Ray initialised in the process) the runs use a fake
-``num_nodes``-node cluster on this machine (:class:`~cfdist.experiments.local_cluster.LocalCluster`),
+``num_nodes``-node cluster on this machine (:class:`~cfdist.cluster.local_cluster.LocalCluster`),
 started once for all runs. The schedule's clock starts when a run's first worker group runs.
 
 This module is an entry point: it imports :func:`cfdist.fit` (and so Ray) lazily, inside
@@ -273,14 +273,14 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
     """Run the baseline and every policy, measure, simulate, write the report; return it all.
 
     Blocks for the whole experiment (about ``steps * step_s`` plus recoveries, per run). Call
-    from a driver process. ``cluster``: a started :class:`~cfdist.experiments.local_cluster.LocalCluster`
+    from a driver process. ``cluster``: a started :class:`~cfdist.cluster.local_cluster.LocalCluster`
     to reuse (needed for ``node_loss="remove"`` when Ray is already initialised); otherwise one is
     started and stopped here unless ``ray_address`` is set or Ray is already initialised.
     Raises :class:`ExperimentError` if a run gives up.
     """
     import ray
 
-    from cfdist.experiments.local_cluster import LocalCluster
+    from cfdist.cluster.local_cluster import LocalCluster
 
     out = os.path.abspath(config.out_dir)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)

@@ -34,3 +34,16 @@ def test_disabled_progress_prints_nothing():
     with ProgressDisplay(log, enabled=False, console=Console(file=buf)):
         log.emit("step", step=1)
     assert buf.getvalue() == ""
+
+
+def test_progress_prints_the_cluster_line_and_a_smaller_world_against_the_wanted_one():
+    buf = io.StringIO()
+    log = EventLog(None)
+    with ProgressDisplay(log, total_steps=10, console=Console(file=buf, width=200, force_terminal=False)) as p:
+        log.emit("start", world_size=2, nodes=2)
+        log.emit("cluster", message="no RAY_ADDRESS: started 2 simulated Ray node(s) on this machine")
+        log.emit("restarted", world_size=2)
+        assert p._fields()["world"] == 2
+        log.emit("restarted", world_size=1)
+        assert p._fields()["world"] == "1/2"
+    assert "started 2 simulated Ray node(s)" in buf.getvalue()
