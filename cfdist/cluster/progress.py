@@ -46,8 +46,8 @@ class ProgressDisplay:
         completed = None
         if ev == "start":
             s["wanted"] = rec.get("world_size")
-        elif ev == "cluster" and self._progress is not None:
-            self._console.print(f"[bold]cfdist[/]: {rec.get('message', '')}")
+        elif ev == "cluster":
+            self._say(rec.get("message", ""))
         if ev in ("step", "metrics"):
             if "loss" in rec:
                 s["loss"] = rec["loss"]
@@ -59,17 +59,27 @@ class ProgressDisplay:
         elif ev == "failure":
             s["failures"] += 1
             s["status"] = f"{rec.get('kind', 'failure')}!"
+            where = f"rank {rec['rank']}" if rec.get("rank") is not None else f"node {rec.get('node')}"
+            self._say(f"{rec.get('kind', 'failure')} of {where} at step {rec.get('step')}"
+                      f"{' (injected)' if rec.get('injected') else ''}: recovering")
         elif ev == "restarted":
             s["world"] = rec.get("world_size")
             s["status"] = "restored" if s["failures"] else "running"
         elif ev == "restored":
             completed = rec["step"]
+            if "detect_s" in rec:
+                self._say(f"resumed from step {rec['step']} ({rec.get('tier')})")
         elif ev == "end":
             completed = rec["step"]
             s["status"] = "done" if "error" not in rec else "failed"
         if self._progress is not None:
             kw = {"completed": completed} if completed is not None else {}
             self._progress.update(self._task, **kw, **self._fields())
+
+    def _say(self, text: str) -> None:
+        """A line above the bar (only when the bar is shown)."""
+        if self._progress is not None:
+            self._console.print(f"[bold]cfdist[/]: {text}")
 
     def __enter__(self):
         if self._progress is not None:

@@ -155,6 +155,10 @@ class RayWorkerGroup:
     def crash(self, rank: int, timeout_s: float = 10.0) -> None:
         """SIGKILL the rank's process (from inside it: works on any node); returns once Ray saw
         the process die (or after ``timeout_s``)."""
+        from cfdist.cluster.quiet import expect_death
+
+        if rank < len(self._endpoints):
+            expect_death(self._endpoints[rank]["pid"])
         ref = self.workers[rank].crash.remote()
         try:
             ray.get(ref, timeout=timeout_s)
@@ -163,6 +167,9 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every rank's process (no restart). Safe to call twice."""
+        from cfdist.cluster.quiet import expect_death
+
+        expect_death(*self.pids())
         for wk in self.workers:
             try:
                 ray.kill(wk, no_restart=True)
