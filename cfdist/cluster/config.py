@@ -63,6 +63,11 @@ class FitConfig:
     shared storage can seed it)."""
     keep: int = 1
     """Committed checkpoints kept per tier (the one in flight comes on top)."""
+    warm_spares: bool = True
+    """Keep a warm spare rank process per rank slot on every node of the group (started in the
+    background, torch and the training function already imported, 0 CPUs reserved while it
+    waits), so a restart reuses processes instead of starting them. CPU runs only: GPU ranks
+    always start fresh (Ray assigns GPUs when a process starts)."""
     poll_s: float = 0.2
     """Driver polling period: failure detection latency and progress refresh."""
     rendezvous_timeout_s: float = 120.0

@@ -63,6 +63,7 @@ class TrainContext:
         self._save_requested = False
         self._step = 0
         self._ckpts: list[_FitCheckpointer] = []
+        self._t_start = time.time()   # the training function starts (recovery's "setup" phase)
 
     # ---- identity ------------------------------------------------------------------------------
     rank = property(lambda self: self._info.rank, doc="Global rank (0 .. world_size-1).")
@@ -138,7 +139,8 @@ class TrainContext:
         with self._lock:
             self._records.append({"type": "restored", "rank": self.rank, "step": step or 0,
                                   "tier": self._restore_tier if step else "none",
-                                  "restore_s": round(seconds, 6), "t": time.time()})
+                                  "restore_s": round(seconds, 6), "t": time.time(),
+                                  "setup_s": round(time.time() - seconds - self._t_start, 6)})
 
     # ---- driver side (another thread of the worker actor) ------------------------------------------
     def _notify(self, *, preempted: bool, save: bool) -> None:

@@ -52,6 +52,7 @@ class Controller:
         self.executed = 0            # steps executed by finished attempts
         self._attempt_base = 0       # step the current attempt started from
         self._recovery: dict | None = None
+        self._resuming: tuple[float, float] | None = None   # (failed at, restored at) until the first step
         self._dead_pids: list[int] = []
         self._committed: set[tuple[int, str]] = set()
         self._grow_to: int | None = None
@@ -151,7 +152,9 @@ class Controller:
         self._dead_pids = []
         self._last_nodes = [n.node_id for n in chosen]
         self._world_sizes.append(group.world_size)
-        self.events.emit("restarted", world_size=group.world_size, nodes=len(chosen), attempt=self.attempt)
+        phases = {f"{k}_s": round(v, 6) for k, v in (getattr(group, "phases", None) or {}).items()}
+        self.events.emit("restarted", world_size=group.world_size, nodes=len(chosen), attempt=self.attempt,
+                         reused=getattr(group, "reused", 0), **phases)
         self._attempt_base = choice.step or 0
         self._committed = {k for k in self._committed if k[0] <= self._attempt_base}
         self.step_now = self._attempt_base
@@ -198,6 +201,12 @@ class Controller:
                 if self._recovery is not None and "restarted_at" in self._recovery:
                     # the loop never called ckpt.restore(): it resumed from its own state
                     self._on_restored({"step": self._attempt_base, "restore_s": None, "t": r["t"]})
+                if self._resuming is not None:
+                    failed_at, restored_at = self._resuming
+                    self._resuming = None
+                    self.events.emit("resumed", t=r["t"], step=r["step"],
+                                     first_step_s=round(max(0.0, r["t"] - restored_at), 6),
+                                     recovery_s=round(max(0.0, r["t"] - failed_at), 6))
                 self.step_now = r["step"]
                 self._attempt_stall = r.get("stall_s", self._attempt_stall)
                 self.events.emit("step", t=r["t"], **fields)
@@ -212,13 +221,15 @@ class Controller:
         if rec is None:
             return
         t = r.get("t", self.clock())
+        if rec.get("failure") is not None:
+            self._resuming = (rec["failed_at"], t)
         detect_s = rec["detected_at"] - rec["failed_at"]
         restart_s = rec["restarted_at"] - rec["detected_at"]
         restore_s = max(0.0, t - rec["restarted_at"])
         tier = rec["tier"] if r.get("step") else "none"
         self.events.emit("restored", t=t, step=r["step"], tier=tier, detect_s=round(detect_s, 6),
                          restart_s=round(restart_s, 6), restore_s=round(restore_s, 6),
-                         load_s=r.get("restore_s"), stage_s=round(rec.get("stage_s", 0.0), 6))
+                         load_s=r.get("restore_s"), setup_s=r.get("setup_s"), stage_s=round(rec.get("stage_s", 0.0), 6))
 
     def _on_commit(self, st: RunningState, c: dict) -> ControllerState | None:
         key = (c["step"], c["tier"])

@@ -22,7 +22,7 @@ from cfdist.cluster.config import FitConfig
 from cfdist.cluster.decisions import Holding, RestoreChoice
 from cfdist.cluster.node_actor import NodeCheckpointer, memory_root
 from cfdist.cluster.nodes import NodeInfo
-from cfdist.cluster.worker_group import RayWorkerGroup
+from cfdist.cluster.worker_group import RayWorkerGroup, new_rank_actor
 
 log = logging.getLogger("cfdist.backend")
 
@@ -49,6 +49,9 @@ class RayBackend:
         self.actors: dict[str, object] = {}
         self.tiers: dict[str, dict] = {}
         self._warming: dict[str, tuple] = {}   # node id -> (actor, ready ref): spares, started ahead
+        self._spares: dict[str, list[tuple]] = {}   # node id -> [(rank actor, warm ref)]: warm spare ranks
+        self._spare_pids: dict[object, int] = {}
+        self._fn_ref = None
         self.group: RayWorkerGroup | None = None
         self.last_restart_s = 0.0
 
@@ -109,6 +112,49 @@ class RayBackend:
     def _forget(self, node_id: str) -> None:
         self.actors.pop(node_id, None)
         self.tiers.pop(node_id, None)
+        for actor, _ in self._spares.pop(node_id, []):
+            self._kill_spare(actor)
+
+    # ---- warm spare ranks ------------------------------------------------------------------------
+    def _refill_spares(self, nodes: list[NodeInfo]) -> None:
+        """Start (non-blocking) spare rank processes until each node has one per rank slot."""
+        if not self.config.warm_spares or self.config.use_gpu:
+            return
+        if self._fn_ref is None:
+            self._fn_ref = ray.put(self.train_fn)
+        for n in nodes:
+            pool = self._spares.setdefault(n.node_id, [])
+            while len(pool) < self.config.workers_per_node:
+                actor = new_rank_actor(self.config, n.node_id, None)
+                pool.append((actor, actor.warm.remote(self._fn_ref)))
+
+    def _take_spares(self, nodes: list[NodeInfo]) -> dict[str, list]:
+        """The warm spares of ``nodes`` (removed from the pool), waiting for the ones still
+        warming up (a process half-way through its imports beats a new one); a spare that died
+        or does not get ready within the rendezvous timeout is replaced by a fresh rank."""
+        pools = {n.node_id: self._spares.pop(n.node_id, []) for n in nodes}
+        refs = [ref for pool in pools.values() for _, ref in pool]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self.config.rendezvous_timeout_s)
+        out: dict[str, list] = {}
+        for nid, pool in pools.items():
+            for actor, ref in pool:
+                try:
+                    self._spare_pids[actor] = ray.get(ref, timeout=0)
+                    out.setdefault(nid, []).append(actor)
+                except (ray.exceptions.RayError, TimeoutError) as e:
+                    log.warning("a warm spare on node %s is not usable (%s); starting a fresh rank", nid[:8], e)
+                    self._kill_spare(actor)
+        return out
+
+    def _kill_spare(self, actor) -> None:
+        from cfdist.cluster.quiet import expect_death
+
+        expect_death(self._spare_pids.pop(actor, 0))
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone with its node
+            pass
 
     def _ask_all(self, method: str, *args, timeout: float = _CALL_S, **kwargs) -> dict[str, object]:
         """Call ``method`` on every known actor; forget the ones that are gone."""
@@ -166,9 +212,12 @@ class RayBackend:
         self._ensure_actors(nodes)
         ray.get([self.actors[n.node_id].begin_attempt.remote(attempt, shared_writer=(i == 0), dead_pids=dead_pids)
                  for i, n in enumerate(nodes)], timeout=_CALL_S)
+        if self._fn_ref is None:
+            self._fn_ref = ray.put(self.train_fn)
+        spares = self._take_spares(nodes)
         group = RayWorkerGroup(config=self.config, nodes=nodes, node_actors=[self.actors[n.node_id] for n in nodes],
                                tiers=[self.tiers[n.node_id] for n in nodes], attempt=attempt,
-                               train_fn=self.train_fn, policy=self.policy, choice=choice)
+                               train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares)
         try:
             self.last_restart_s = group.start()
         except Exception:
@@ -177,9 +226,11 @@ class RayBackend:
         self.group = group
         chosen = {n.node_id for n in nodes}
         try:
-            self.prewarm([n for n in self.usable_nodes() if n.node_id not in chosen])
+            spare_nodes = [n for n in self.usable_nodes() if n.node_id not in chosen]
+            self.prewarm(spare_nodes)
+            self._refill_spares(nodes + spare_nodes)
         except Exception as e:  # noqa: BLE001 - an optimisation only
-            log.warning("could not start node actors on spare nodes: %s", e)
+            log.warning("could not start node actors or warm spares on spare nodes: %s", e)
         return group
 
     def drain_commits(self) -> list[dict]:
@@ -226,6 +277,10 @@ class RayBackend:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
+        for pool in self._spares.values():
+            for actor, _ in pool:
+                self._kill_spare(actor)
+        self._spares.clear()
         self.actors.clear()
         self._warming.clear()
         root = memory_root(self.run_id)

@@ -1,7 +1,7 @@
 """``RankWorker``: the body of one rank's Ray actor (one process per rank).
 
 The driver creates it pinned to a node, then calls, in order: :meth:`endpoint` (rank 0 hosts
-the rendezvous store), :meth:`join` on every rank at once (``torch.distributed`` init: gloo on
+the rendezvous store; a warm spare, created without a role, gets its ``RankInfo`` here), :meth:`join` on every rank at once (``torch.distributed`` init: gloo on
 CPU, NCCL on GPU), :meth:`run` (blocks for the whole training function). While ``run`` blocks,
 the actor serves :meth:`drain`, :meth:`notify` and :meth:`current_step` on other threads
 (``max_concurrency`` > 1), so the driver can follow progress and deliver notices.
@@ -24,7 +24,7 @@ from cfdist.cluster.context import RankInfo, TrainContext
 class RankWorker:
     """One rank. Plain class; the driver wraps it with ``ray.remote``."""
 
-    def __init__(self, info: RankInfo, *, use_gpu: bool, timeout_s: float, cpus: float):
+    def __init__(self, info: RankInfo | None, *, use_gpu: bool, timeout_s: float, cpus: float):
         self.info = info
         self.use_gpu = use_gpu
         self.timeout = timedelta(seconds=timeout_s)
@@ -33,9 +33,33 @@ class RankWorker:
         self.ctx: TrainContext | None = None
         self._store = None
 
-    def endpoint(self) -> dict:
-        """This process's node id, IP and pid; on rank 0 also a fresh rendezvous store's port."""
+    def warm(self, train_fn=None) -> int:
+        """A spare (created with ``info=None``) gets ready for a role: imports what a rank needs;
+        ``train_fn`` (an object ref, resolved by Ray) imports the training function's modules.
+        Returns the pid."""
+        import cfdist  # noqa: F401
+        from cfdist.cluster import node_actor  # noqa: F401 - the ActorBackend of ctx.checkpointer
+
+        if not dist.is_initialized():
+            # A first DDP in a process imports ~800 modules (torch._dynamo, sympy, ...): seconds.
+            # Pay it now, on a private one-rank group, not after a failure.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                model(torch.zeros(1, 2)).sum().backward()
+                opt.step()
+            finally:
+                dist.destroy_process_group()
+        return os.getpid()
+
+    def endpoint(self, info: RankInfo | None = None) -> dict:
+        """This process's node id, IP and pid; on rank 0 also a fresh rendezvous store's port.
+        ``info``: the role of a warm spare (set before anything else)."""
         import ray
+
+        if info is not None:
+            self.info = info
 
         ip = ray.util.get_node_ip_address()
         out = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "pid": os.getpid(),
