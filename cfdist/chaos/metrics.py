@@ -265,6 +265,43 @@ def commit_latencies(records: Iterable[dict]) -> list[float]:
     return out
 
 
+RESTART_PHASES: tuple[str, ...] = ("detect", "restart", "rendezvous", "restore", "first_step")
+"""The phases of one recovery as ``cfdist.fit`` logs them (see :func:`recovery_phases`)."""
+
+
+def recovery_phases(records: Iterable[dict]) -> list[dict]:
+    """Seconds per phase of every recovery that resumed, from a ``cfdist.fit`` event log. Pure.
+
+    For each ``failure`` followed (before any other failure) by ``detected``, ``restarted``,
+    ``restored`` and ``resumed``: ``detect`` (failure to detected), ``restart`` (detected to
+    restarted, of which ``spawn`` starting or taking spare processes and ``rendezvous`` the
+    process group, from the ``restarted`` record), ``restore`` (restarted to restored, of which
+    ``setup``: the training function until its ``ckpt.restore()``, and ``load``), ``first_step``
+    (restored to the first step completed) and ``total`` (failure to that step); plus ``tier``,
+    ``kind`` and ``reused`` (warm spares in the new group). A failure during a recovery
+    discards that recovery (it has no clean phases).
+    """
+    out: list[dict] = []
+    cur: dict | None = None
+    for r in records:
+        ev = r.get("event")
+        if ev == "failure":
+            cur = {"kind": r.get("kind"), "t": r["t"]}
+        elif cur is None:
+            continue
+        elif ev in ("detected", "restarted", "restored") and ev not in cur:
+            cur[ev] = r
+        elif ev == "resumed" and {"detected", "restarted", "restored"} <= cur.keys():
+            d, s_, rs = cur["detected"], cur["restarted"], cur["restored"]
+            out.append({
+                "kind": cur["kind"], "tier": rs.get("tier"), "reused": s_.get("reused"),
+                "detect": d["t"] - cur["t"], "restart": s_["t"] - d["t"], "spawn": s_.get("spawn_s"),
+                "rendezvous": s_.get("rendezvous_s"), "restore": rs["t"] - s_["t"], "setup": rs.get("setup_s"),
+                "load": rs.get("load_s"), "first_step": r["t"] - rs["t"], "total": r["t"] - cur["t"]})
+            cur = None
+    return out
+
+
 def estimate_iter_s(records: list[dict]) -> float:
     """Median seconds between consecutive ``step`` records one step apart."""
     steps = [r for r in records if r["event"] == "step"]

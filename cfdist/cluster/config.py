@@ -63,6 +63,10 @@ class FitConfig:
     shared storage can seed it)."""
     keep: int = 1
     """Committed checkpoints kept per tier (the one in flight comes on top)."""
+    sigterm_grace_s: float = 25.0
+    """Seconds a preempted machine leaves between SIGTERM and the kill. A rank that receives
+    SIGTERM takes an emergency checkpoint when its recent commit latency fits this window, waits
+    for it to commit (at most the window), then exits; otherwise it exits at once."""
     warm_spares: bool = True
     """Keep a warm spare rank process per rank slot on every node of the group (started in the
     background, torch and the training function already imported, 0 CPUs reserved while it
@@ -76,6 +80,9 @@ class FitConfig:
     """Path of the JSONL event log; None: ``./cfdist-runs/<run_name>/events-<time>.jsonl``."""
     progress: bool = True
     """Show a progress bar on the driver (rich)."""
+    metadata_url: str | None = None
+    """Base URL of the instance metadata service that nodes labelled ``cfdist-notices`` poll
+    for preemption notices (None: the cloud's own; a test's fake server otherwise)."""
     storage_options: dict | None = None
     """fsspec options for ``shared_storage`` (credentials, endpoint_url); never logged."""
 
@@ -100,7 +107,7 @@ class FitConfig:
         if self.min_nodes > self.num_nodes:
             raise ValueError(f"min_nodes={self.min_nodes} exceeds num_nodes={self.num_nodes}; "
                              f"use min_nodes <= num_nodes")
-        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s"):
+        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s", "sigterm_grace_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")

@@ -64,6 +64,9 @@ class TrainContext:
         self._step = 0
         self._ckpts: list[_FitCheckpointer] = []
         self._t_start = time.time()   # the training function starts (recovery's "setup" phase)
+        self._step_t: dict[int, float] = {}                   # step -> when it finished (recent)
+        self._commit_s: collections.deque = collections.deque(maxlen=5)   # step -> commit seconds
+        self._seen_commit = 0
 
     # ---- identity ------------------------------------------------------------------------------
     rank = property(lambda self: self._info.rank, doc="Global rank (0 .. world_size-1).")
@@ -127,12 +130,38 @@ class TrainContext:
     def _on_step(self, ck: "_FitCheckpointer") -> bool:
         """After every ``ckpt.step``: record the step; True when a save was requested."""
         self._step = ck.step_count
+        self._track_commit(ck)
         with self._lock:
             if self.rank == 0:
                 self._records.append({"type": "step", "step": ck.step_count, "t": time.time(),
                                       "stall_s": round(ck._stats["stall_s"], 6)})
             save, self._save_requested = self._save_requested, False
         return save
+
+    def _track_commit(self, ck) -> None:
+        """Recent commit latencies (step finished -> its checkpoint committed, as this rank saw)."""
+        now = time.time()
+        self._step_t[ck.step_count] = now
+        if len(self._step_t) > 256:
+            self._step_t.pop(min(self._step_t))
+        done = ck.latest_step or 0
+        if done > self._seen_commit and done in self._step_t:
+            self._commit_s.append(now - self._step_t[done])
+        self._seen_commit = max(self._seen_commit, done)
+
+    def _latest_committed(self) -> int:
+        return max([ck.latest_step or 0 for ck in self._ckpts], default=0)
+
+    def _emergency_save(self, window_s: float) -> tuple[bool, str]:
+        """SIGTERM: mark preempted; request a checkpoint at the next step (the node's writer
+        takes it) if the recent commit latency fits ``window_s``. Returns ``(fits, reason)``:
+        when it fits, the rank keeps training until the commit (other ranks: until the window
+        ends), since the writer's checkpoint needs the collectives of the next step. Any thread."""
+        from cfdist.cluster.injector import emergency_checkpoint_fits
+
+        fits, reason = emergency_checkpoint_fits(window_s, list(self._commit_s))
+        self._notify(preempted=True, save=fits)
+        return fits, reason
 
     def _on_restored(self, step: int | None, seconds: float) -> None:
         self._step = step or 0

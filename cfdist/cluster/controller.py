@@ -176,6 +176,8 @@ class Controller:
     def _run(self, st: RunningState) -> ControllerState:
         status = st.group.poll(self.config.poll_s)
         resize = self._absorb(st, status.records, self.backend.drain_commits())
+        for notice in getattr(self.backend, "drain_notices", list)():
+            self._on_notice(st, notice)
         if status.errors:
             return self._on_failure(st, status)
         if status.finished:
@@ -249,6 +251,20 @@ class Controller:
         self._grow_to = None
         self._recovery = {"resume": True, "failed_at": self.clock(), "detected_at": self.clock()}
         return RecoveringState(resize=True)
+
+    def _on_notice(self, st: RunningState, n: dict) -> None:
+        """A cloud preemption notice from a node actor: ``ctx.preempted`` on that node's ranks,
+        and an emergency checkpoint on every node if it can commit before the deadline."""
+        from cfdist.chaos.metrics import commit_latencies
+        from cfdist.cluster.injector import emergency_checkpoint_fits
+
+        node = st.group.node_rank_of(n.get("node_id")) if hasattr(st.group, "node_rank_of") else None
+        window = n["deadline"] - self.clock()
+        save, reason = emergency_checkpoint_fits(window, commit_latencies(list(self.events.records)))
+        self.events.emit("notice", node=node, source=n.get("source"), window_s=round(window, 3), save=save,
+                         reason=reason, detail=n.get("detail", ""))
+        if node is not None:
+            st.group.notify([node], save=save)
 
     def _check_capacity(self, st: RunningState) -> None:
         if len(st.group.nodes) >= self.config.num_nodes or self._grow_to is not None:

@@ -56,7 +56,8 @@ class NodeCheckpointer:
     Created by the driver with node-affinity scheduling, one per node, kept across attempts.
     """
 
-    def __init__(self, *, config: FitConfig, run_id: str, node_id: str, node_name: str):
+    def __init__(self, *, config: FitConfig, run_id: str, node_id: str, node_name: str,
+                 notices: str | None = None):
         self.config = config
         self.node_id = node_id
         self.node_name = node_name
@@ -89,6 +90,15 @@ class NodeCheckpointer:
         self._shared_thread = threading.Thread(target=self._shared_loop, name="cfdist-shared", daemon=True)
         if self.shared is not None:
             self._shared_thread.start()
+        self._watcher = None
+        if notices:
+            from cfdist.cluster.notices import NoticeWatcher
+
+            self._watcher = NoticeWatcher(notices, self._on_notice, base_url=config.metadata_url)
+
+    def _on_notice(self, notice) -> None:
+        """The cloud will take this node at ``notice.deadline``: tell the driver (drained)."""
+        self._event("preemption_notice", source=notice.source, deadline=notice.deadline, detail=notice.detail)
 
     # ---- wiring ------------------------------------------------------------------------------
     def ready(self) -> dict:
@@ -270,6 +280,8 @@ class NodeCheckpointer:
     def close(self, remove_memory: bool = True, dead_pids=()) -> None:
         """Stop the shared copier (after its current copy), free the memory tier and the arenas
         of the workers the driver killed (``dead_pids``)."""
+        if self._watcher is not None:
+            self._watcher.stop()
         with self._shared_cv:
             self._closing = True
             self._shared_cv.notify_all()

@@ -52,6 +52,7 @@ class RayBackend:
         self._spares: dict[str, list[tuple]] = {}   # node id -> [(rank actor, warm ref)]: warm spare ranks
         self._spare_pids: dict[object, int] = {}
         self._fn_ref = None
+        self._notices: list[dict] = []
         self.group: RayWorkerGroup | None = None
         self.last_restart_s = 0.0
 
@@ -66,7 +67,7 @@ class RayBackend:
         actor = _RemoteNode.options(
             num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
-        ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name)
+        ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name, notices=n.notices)
         return actor, actor.ready.remote()
 
     def prewarm(self, nodes: list[NodeInfo]) -> None:
@@ -236,8 +237,15 @@ class RayBackend:
     def drain_commits(self) -> list[dict]:
         out = []
         for evs in self._ask_all("drain_events", timeout=10).values():
-            out += evs
+            out += [e for e in evs if e["event"] == "checkpoint_committed"]
+            self._notices += [e for e in evs if e["event"] == "preemption_notice"]
         return sorted(out, key=lambda e: e["t"])
+
+    def drain_notices(self) -> list[dict]:
+        """Cloud preemption notices the node actors saw since the previous call (after
+        :meth:`drain_commits`, which collects them)."""
+        out, self._notices = self._notices, []
+        return out
 
     def finish(self) -> str | None:
         """Make the final checkpoint durable in shared storage (if any); return its URL."""

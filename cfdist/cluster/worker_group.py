@@ -198,7 +198,8 @@ def new_rank_actor(config: FitConfig, node_id: str, info: RankInfo | None):
         num_gpus=1 if config.use_gpu and not spare else 0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         max_concurrency=4, max_restarts=0, name=None,
-    ).remote(info, use_gpu=config.use_gpu, timeout_s=config.rendezvous_timeout_s, cpus=config.cpus_per_worker)
+    ).remote(info, use_gpu=config.use_gpu, timeout_s=config.rendezvous_timeout_s, cpus=config.cpus_per_worker,
+             sigterm_grace_s=config.sigterm_grace_s)
 
 
 def _short(e: BaseException) -> str:

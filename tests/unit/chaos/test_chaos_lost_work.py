@@ -97,3 +97,29 @@ def test_fit_result_phases_come_from_the_same_records():
 @pytest.mark.parametrize("step, restored, lost", [(93, 90, 3), (90, 90, 0), (89, 90, 0), (4, 0, 4)])
 def test_lost_iterations_table(step, restored, lost):
     assert lost_iterations(step, restored) == lost
+
+
+def test_recovery_phases_split_a_resumed_recovery_and_skip_one_interrupted():
+    from cfdist.chaos.metrics import recovery_phases
+
+    recs = [
+        {"t": 0.0, "event": "start"},
+        {"t": 10.0, "event": "failure", "kind": "crash", "step": 93},
+        {"t": 10.2, "event": "detected"},
+        {"t": 10.5, "event": "restarted", "reused": 2, "spawn_s": 0.01, "rendezvous_s": 0.02},
+        {"t": 11.0, "event": "restored", "step": 90, "tier": "memory", "setup_s": 0.3, "load_s": 0.01},
+        {"t": 11.1, "event": "step", "step": 91},
+        {"t": 11.1, "event": "resumed", "step": 91, "first_step_s": 0.1, "recovery_s": 1.1},
+        {"t": 20.0, "event": "failure", "kind": "preempt", "step": 100},
+        {"t": 20.5, "event": "detected"},
+        {"t": 21.0, "event": "failure", "kind": "crash", "step": 100},   # during the recovery
+        {"t": 21.5, "event": "detected"},
+        {"t": 22.0, "event": "restarted", "reused": 0},
+        {"t": 23.0, "event": "restored", "step": 100, "tier": "peer"},
+        {"t": 23.5, "event": "resumed", "step": 101},
+    ]
+    first, second = recovery_phases(recs)
+    assert first["tier"] == "memory" and first["reused"] == 2
+    assert [round(first[k], 6) for k in ("detect", "restart", "restore", "first_step", "total")] == [0.2, 0.3, 0.5, 0.1, 1.1]
+    assert (first["spawn"], first["rendezvous"], first["setup"], first["load"]) == (0.01, 0.02, 0.3, 0.01)
+    assert second["kind"] == "crash" and second["tier"] == "peer" and second["total"] == 2.5
