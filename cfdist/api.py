@@ -83,6 +83,10 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
         from cfdist.policy import Auto
 
         policy = Auto()
+    if config.memory_every:
+        from cfdist.policy.memory import MemoryEvery
+
+        policy = MemoryEvery(policy, config.memory_every)
     config, local = _connect(ray_address, config)
     if local is not None and preemption is not None and remove_node is None and add_node is None:
         remove_node, add_node = local.remove_node, local.add_node   # a preemption takes a real (simulated) node

@@ -63,6 +63,10 @@ class FitConfig:
     shared storage can seed it)."""
     keep: int = 1
     """Committed checkpoints kept per tier (the one in flight comes on top)."""
+    memory_every: int | None = None
+    """Snapshot to the memory tier every n steps (1: every step; a crashed worker then loses at
+    most n iterations) while disk and shared storage keep the policy's interval. None: every
+    checkpoint goes to all tiers. Needs ``memory_tier``."""
     sigterm_grace_s: float = 25.0
     """Seconds a preempted machine leaves between SIGTERM and the kill. A rank that receives
     SIGTERM takes an emergency checkpoint when its recent commit latency fits this window, waits
@@ -113,6 +117,12 @@ class FitConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
         if not (isinstance(self.cpus_per_worker, (int, float)) and self.cpus_per_worker >= 0):
             raise ValueError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker!r}")
+        if self.memory_every is not None:
+            if not isinstance(self.memory_every, int) or isinstance(self.memory_every, bool) or self.memory_every < 1:
+                raise ValueError(f"memory_every must be an int >= 1 or None, got {self.memory_every!r}")
+            if not self.memory_tier:
+                raise ValueError(f"memory_every={self.memory_every} snapshots to the memory tier, which "
+                                 f"memory_tier=False turns off; enable it or drop memory_every")
         if not (self.memory_tier or self.local_tier or self.shared_storage):
             raise ValueError("no tier to write to: enable memory_tier or local_tier, or set shared_storage")
 

@@ -105,11 +105,12 @@ class TrainContext:
                                "and one local tier per run, so build one Checkpointer with every object "
                                "to save in its state dict")
         policy = policy if policy is not None else _fresh(self._policy)
+        policy = _memory_every(policy, self._policy, memory=bool(self._tiers.get("memory")))
         node_tiers = [u for u in (self._tiers.get("memory"), self._tiers.get("local")) if u]
         ck = _FitCheckpointer(
             self, state, node_tiers[0], policy, keep=self._keep, rank=self.rank,
             world_size=self.world_size, writer=self.local_rank == 0,
-            backend=ActorBackend(self._node_actor, self.attempt), restore_from=node_tiers[1:], **kwargs)
+            backend=ActorBackend(self._node_actor, self.attempt, policy), restore_from=node_tiers[1:], **kwargs)
         self._ckpts.append(ck)
         return ck
 
@@ -220,6 +221,15 @@ class _FitCheckpointer(Checkpointer):
         got = super().restore(want) if want is not None else None
         self._ctx._on_restored(got, time.perf_counter() - t0)
         return got
+
+
+def _memory_every(policy, run_policy, *, memory: bool):
+    """``policy`` under the run's ``memory_every`` (when the run has one and a memory tier)."""
+    from cfdist.policy.memory import MemoryEvery
+
+    every = run_policy.every if isinstance(run_policy, MemoryEvery) else None
+    inner = policy.policy if isinstance(policy, MemoryEvery) else policy
+    return MemoryEvery(inner, every) if every and memory else inner
 
 
 def _fresh(policy):

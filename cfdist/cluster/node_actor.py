@@ -130,8 +130,9 @@ class NodeCheckpointer:
         return n
 
     # ---- the persist path ----------------------------------------------------------------------
-    def persist(self, job: PersistJob, attempt: int) -> CommitInfo:
-        """Write ``job`` to the memory and local tiers (blocking the caller's handle only)."""
+    def persist(self, job: PersistJob, attempt: int, to_disk: bool = True) -> CommitInfo:
+        """Write ``job`` to the memory and local tiers (blocking the caller's handle only);
+        ``to_disk=False`` (a ``memory_every`` snapshot): the memory tier only."""
         t0 = time.perf_counter()
         with self._lock:
             if attempt != self._attempt:
@@ -139,14 +140,14 @@ class NodeCheckpointer:
                                    f"controller runs attempt {self._attempt} now")
             infos = []
             for tier, sts in (("memory", self.mem), ("local", self.local)):
-                if sts is None:
+                if sts is None or (tier != "memory" and not to_disk and self.mem is not None):
                     continue
                 info = write_checkpoint(sts, job)
                 infos.append(info)
                 self._event("checkpoint_committed", step=job.step, tier=tier, bytes=info.bytes,
                             persist_s=round(info.seconds, 6))
-            self._commits += 1
-            share = self._shared_writer and self.shared is not None and (
+            self._commits += to_disk
+            share = to_disk and self._shared_writer and self.shared is not None and (
                 self._commits % self.config.shared_every == 0)
         if share:
             self._want_shared(job.step)
@@ -197,6 +198,20 @@ class NodeCheckpointer:
                 self._shared_done = step
                 self._shared_error = err
                 self._shared_cv.notify_all()
+
+    def flush_local(self) -> int | None:
+        """Copy the memory tier's newest step to the local tier when it is newer (``memory_every``
+        snapshots skip the disk); blocking. Returns the local tier's newest step."""
+        if self.local is None:
+            return None
+        with self._lock:
+            newest_mem = max(committed_steps(self.mem[0]), default=None) if self.mem else None
+            newest_local = max(committed_steps(self.local[0]), default=None)
+            if newest_mem is not None and (newest_local is None or newest_mem > newest_local):
+                transfer.commit_frozen(transfer.freeze(self.mem, newest_mem), newest_mem, self.local,
+                                       source=f"memory of node {self.node_name}", keep=self.config.keep)
+                newest_local = newest_mem
+        return newest_local
 
     def flush_shared(self, step: int | None = None, timeout_s: float = 600.0) -> int | None:
         """Copy ``step`` (default: the newest committed) to shared storage and wait for it.
@@ -323,12 +338,15 @@ class ActorBackend:
 
     needs_shared_memory = True
 
-    def __init__(self, actor, attempt: int):
+    def __init__(self, actor, attempt: int, policy=None):
         self.actor = actor
         self.attempt = attempt
+        self.policy = policy
+        """A :class:`~cfdist.policy.memory.MemoryEvery` decides which steps also go to disk."""
 
     def submit(self, job: PersistJob) -> ActorPending:
-        return ActorPending(self.actor.persist.remote(job, self.attempt), job.step)
+        to_disk = self.policy is None or not hasattr(self.policy, "to_disk") or self.policy.to_disk(job.step)
+        return ActorPending(self.actor.persist.remote(job, self.attempt, to_disk), job.step)
 
     def close(self) -> None:
         pass  # the actor outlives the workers

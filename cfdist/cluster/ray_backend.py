@@ -259,9 +259,9 @@ class RayBackend:
             step = ray.get(actor.flush_shared.remote(), timeout=3600)
             if step is not None:
                 return f"{tiers['shared']}/{step_dir(step)}"
-        h = ray.get(actor.holdings.remote(), timeout=_CALL_S)
-        if h["local"] and tiers.get("local"):
-            return f"{tiers['local'][0]}/{step_dir(max(h['local']))}"
+        step = ray.get(actor.flush_local.remote(), timeout=3600)
+        if step is not None and tiers.get("local"):
+            return f"{tiers['local'][0]}/{step_dir(step)}"
         return None   # memory only: freed with the run
 
     def close(self) -> None:
