@@ -134,6 +134,9 @@ class ExperimentConfig:
     """Show ``cfdist.fit``'s progress bar during each run (the experiment prints one line per run anyway)."""
     keep_checkpoints: bool = False
     """Keep each run's checkpoint directories (default: deleted after the run; logs are kept)."""
+    memory_every: int | None = None
+    """``cfdist.fit(memory_every=...)`` for every policy's run: a memory snapshot every n steps
+    (a crash loses at most n iterations), disk at the policy's interval. None: off."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.out_dir, str) and self.out_dir):
@@ -150,6 +153,8 @@ class ExperimentConfig:
         for name in ("steps", "epoch_steps", "batch_size", "num_nodes", "workers_per_node"):
             _int(name, getattr(self, name))
         _int("max_failures", self.max_failures, minimum=0)
+        if self.memory_every is not None:
+            _int("memory_every", self.memory_every, hint=" or None")
         if self.baseline_steps is not None:
             _int("baseline_steps", self.baseline_steps, minimum=3, hint=" or None for steps")
         if self.max_scheduled is not None:
@@ -348,7 +353,8 @@ def _run_one(config: ExperimentConfig, name: str, spec: str | None, schedule, cl
                    storage=f"file://{ckpt_dir}/{{node}}", policy=policy, preemption=schedule,
                    max_failures=config.max_failures, run_name=run, total_steps=steps,
                    progress=config.progress, event_log=event_log, min_nodes=config.num_nodes,
-                   cpus_per_worker=1, wait_for_nodes_s=max(120.0, 10 * config.return_after_s), **hooks)
+                   cpus_per_worker=1, wait_for_nodes_s=max(120.0, 10 * config.return_after_s),
+                   memory_every=config.memory_every if spec is not None else None, **hooks)
     except FitError as e:
         raise ExperimentError(
             f"the {name!r} run did not finish: {e}. Its event log is {event_log}. Give it more room "
@@ -446,6 +452,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-failures", type=int, default=d.max_failures, help="per run (default %(default)s)")
     p.add_argument("--progress", action="store_true", help="show each run's progress bar")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints")
+    p.add_argument("--memory-every", type=int, default=None,
+                   help="memory snapshot every N steps, disk at the policy's interval (default: off)")
 
 
 def config_from_args(a: argparse.Namespace) -> ExperimentConfig:
@@ -457,7 +465,7 @@ def config_from_args(a: argparse.Namespace) -> ExperimentConfig:
         seed=a.seed, max_scheduled=a.max_scheduled, overhead_budget=a.budget, baseline=not a.no_baseline,
         baseline_steps=a.baseline_steps, node_loss=a.node_loss,
         ray_address=a.address or os.environ.get("RAY_ADDRESS") or None, max_failures=a.max_failures,
-        progress=a.progress, keep_checkpoints=a.keep_checkpoints)
+        progress=a.progress, keep_checkpoints=a.keep_checkpoints, memory_every=a.memory_every)
 
 
 def _cli(a: argparse.Namespace) -> int:
