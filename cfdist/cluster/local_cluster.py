@@ -97,19 +97,11 @@ class LocalCluster:
     def remove_node(self, node_id: str) -> None:
         """SIGKILL every process of a worker node at once (its workers and actors first, then its
         raylet and agents): a machine that vanished, not one shutting down."""
-        from ray._private import ray_constants
-
         node = self.nodes.pop(node_id, None)
         if node is None:
             raise KeyError(f"node {node_id[:8]} is not a live worker node of this LocalCluster "
                            f"(live: {[n[:8] for n in self.nodes]})")
-        raylets = [p.process.pid for p in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
-        for pid in _descendants(raylets):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.cluster.remove_node(node, allow_graceful=False)
+        kill_node(self.cluster, node)
 
     def close(self) -> None:
         """``ray.shutdown()``, stop every node of this cluster, remove its temp dir. Safe twice."""
@@ -148,7 +140,21 @@ def _refresh_ray_config() -> None:
     Config.initialize("")
 
 
-def _descendants(roots: list[int]) -> list[int]:
+def kill_node(cluster, node) -> None:
+    """SIGKILL every process of ``node`` of a ``ray.cluster_utils.Cluster`` at once (its workers
+    and actors first, then its raylet and agents) and drop it from ``cluster``."""
+    from ray._private import ray_constants
+
+    raylets = [p.process.pid for p in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
+    for pid in descendants(raylets):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def descendants(roots: list[int]) -> list[int]:
     """Pids of all descendants of ``roots`` (from /proc; no psutil needed)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
