@@ -68,7 +68,9 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
             processes are killed and a fresh node joins at the schedule's return; on a real
             cluster: exclude the node and kill its actors.
         **options: any other :class:`FitConfig` field (``min_nodes``, ``shared_every``,
-            ``cpus_per_worker``, ``event_log``, ``progress``, ``storage_options``, ...).
+            ``memory_every`` (memory snapshots every n steps, disk at the policy's interval),
+            ``warm_spares``, ``sigterm_grace_s``, ``cpus_per_worker``, ``event_log``,
+            ``progress``, ``storage_options``, ...).
     """
     from cfdist.cluster.controller import Controller
     from cfdist.cluster.events import EventLog

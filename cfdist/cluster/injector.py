@@ -246,6 +246,9 @@ class FailureInjector:
             controller.events.emit("node_returned", node=e.node)
             if self.add_node is not None:
                 self.add_node(e.node)
+                warm = getattr(self.backend, "warm_spare_nodes", None)
+                if warm is not None:
+                    warm()   # node actor and spare ranks start on the new node now, not at the next failure
             else:
                 self.backend.excluded.discard(node_id)
                 getattr(self.backend, "dead", set()).discard(node_id)

@@ -12,7 +12,7 @@ another Ray instance on the machine (nor it to this one); gloo talks over the lo
 (``GLOO_SOCKET_IFNAME=lo``), as every rank is on this machine. Unless ``RAY_AUTH_MODE`` is set,
 the cluster uses token authentication with a fresh random token (in the environment of this
 process and its children only): nothing else on the machine can submit work to it, and Ray
-has nothing to warn about. A lost node is declared dead after ~1.5 s of missed health checks.
+has nothing to warn about. A lost node is declared dead after ~3 s of failed health checks.
 Call from the driver process, one thread::
 
     with LocalCluster(num_nodes=2) as lc:          # ray.init() done, torn down at exit
@@ -30,8 +30,10 @@ import tempfile
 import uuid
 
 _OBJECT_STORE = 80 * 1024 * 1024
-_FAST_HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500,
+_FAST_HEALTH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000,
                 "health_check_failure_threshold": 3}
+"""A lost node is declared dead after ~3 s of failed health checks (Ray's default: ~15 s); a
+check may take 2 s, so a busy machine's raylet is not declared dead by mistake."""
 
 
 class LocalCluster:
@@ -101,6 +103,9 @@ class LocalCluster:
         if node is None:
             raise KeyError(f"node {node_id[:8]} is not a live worker node of this LocalCluster "
                            f"(live: {[n[:8] for n in self.nodes]})")
+        from cfdist.cluster.quiet import expect_node_death
+
+        expect_node_death(node_id)
         kill_node(self.cluster, node)
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """Keep Ray's raw reports of the deaths cfdist causes itself off the user's terminal.
 
-When the failure injector SIGKILLs a rank (or recovery stops a group), Ray's driver prints
+When the failure injector SIGKILLs a rank (or recovery stops a group, or a simulated node is
+taken), Ray's driver prints
 "(raylet) A worker died or was killed while executing a task by an unexpected system error ..."
 with a page of advice about OOM killers. For a kill cfdist asked for, that reads as an error
 although it is the experiment working; cfdist reports it as its own ``failure`` event instead
@@ -21,8 +22,10 @@ import threading
 log = logging.getLogger("cfdist.quiet")
 
 _PID = re.compile(r"Worker PID: (\d+)")
+_NODE = re.compile(r"node id: ([0-9a-f]+)")
 _lock = threading.Lock()
 _expected: set[int] = set()
+_expected_nodes: set[str] = set()
 _installed = False
 
 
@@ -33,12 +36,24 @@ def expect_death(*pids: int) -> None:
     install()
 
 
+def expect_node_death(node_id: str) -> None:
+    """The node ``node_id`` is about to be taken by cfdist (a simulated node's preemption): Ray's
+    "node ... has been marked dead" report of it is dropped."""
+    with _lock:
+        _expected_nodes.add(node_id)
+    install()
+
+
 def is_expected(data: dict) -> bool:
     """Whether a record of Ray's driver printer is a raylet report of an expected death. Pure
     apart from the registry."""
     if data.get("pid") != "raylet":
         return False
     lines = data.get("lines") or []
+    nodes = {m.group(1) for ln in lines[:1] for m in _NODE.finditer(ln)}
+    if nodes and "marked dead" in lines[0]:
+        with _lock:
+            return nodes <= _expected_nodes
     pids = {int(m.group(1)) for ln in lines for m in _PID.finditer(ln)}
     with _lock:
         return bool(pids) and pids <= _expected and all("worker died or was killed" in ln.lower() or not ln.strip()

@@ -77,6 +77,17 @@ class RayBackend:
             if n.node_id not in self.actors and n.node_id not in self._warming:
                 self._warming[n.node_id] = self._spawn(n)
 
+    def warm_spare_nodes(self) -> None:
+        """Start node actors and warm spare ranks (non-blocking) on usable nodes outside the
+        running group, e.g. a node that just joined, so a recovery onto it does not wait."""
+        group = {n.node_id for n in self.group.nodes} if self.group is not None else set()
+        try:
+            spare = [n for n in self.usable_nodes() if n.node_id not in group]
+            self.prewarm(spare)
+            self._refill_spares(spare)
+        except Exception as e:  # noqa: BLE001 - an optimisation only
+            log.warning("could not warm spare nodes: %s", e)
+
     def _ensure_actors(self, nodes: list[NodeInfo]) -> None:
         new = {}
         for n in nodes:
@@ -226,12 +237,8 @@ class RayBackend:
             raise
         self.group = group
         chosen = {n.node_id for n in nodes}
-        try:
-            spare_nodes = [n for n in self.usable_nodes() if n.node_id not in chosen]
-            self.prewarm(spare_nodes)
-            self._refill_spares(nodes + spare_nodes)
-        except Exception as e:  # noqa: BLE001 - an optimisation only
-            log.warning("could not start node actors or warm spares on spare nodes: %s", e)
+        self._refill_spares(nodes)
+        self.warm_spare_nodes()
         return group
 
     def drain_commits(self) -> list[dict]:

@@ -20,6 +20,13 @@ def test_only_raylet_reports_of_registered_pids_are_expected():
     assert not quiet.is_expected({"pid": "raylet", "lines": ["node n1 has been marked dead"]})
 
 
+def test_a_simulated_node_cfdist_took_is_not_reported_as_dead():
+    quiet.expect_node_death("ab12")
+    msg = "The node with node id: {} and address: 192.0.2.2 has been marked dead because the detector has missed"
+    assert quiet.is_expected({"pid": "raylet", "lines": [msg.format("ab12")]})
+    assert not quiet.is_expected({"pid": "raylet", "lines": [msg.format("cd34")]})
+
+
 def test_rays_driver_printer_drops_expected_reports_and_prints_the_rest(capsys):
     from ray._private import worker as ray_worker
 
