@@ -175,11 +175,13 @@ class RayBackend:
         for nid, ref in refs.items():
             try:
                 out[nid] = ray.get(ref, timeout=timeout)
-            except ray.exceptions.RayActorError:
-                self.dead.add(nid)
-                self._forget(nid)
             except ray.exceptions.GetTimeoutError:
                 log.warning("node actor %s did not answer %s within %.0fs; ignoring it", nid[:8], method, timeout)
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+                # gone: crashed with its node, or killed by Ray's memory monitor
+                log.warning("node actor %s is gone (%s); forgetting it", nid[:8], type(e).__name__)
+                self.dead.add(nid)
+                self._forget(nid)
         return out
 
     # ---- the controller's questions ----------------------------------------------------------------
