@@ -117,7 +117,8 @@ class RayWorkerGroup:
             rank = by_ref[ref]
             try:
                 self._results[rank] = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+                # the process is gone (crashed, its node lost, or killed by Ray's memory monitor)
                 self._errors.append(RankError(rank, self._node_of(rank), True, _short(e)))
             except ray.exceptions.RayTaskError as e:
                 self._errors.append(RankError(rank, self._node_of(rank), False, _short(e)))
