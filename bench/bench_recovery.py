@@ -54,7 +54,7 @@ class Never:
         pass
 
 
-def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64):
+def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64, step_s: float = 0.0):
     """An MLP regression under DDP; rank 0 returns nothing (the event log is the output)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -76,6 +76,7 @@ def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64):
             torch.nn.functional.mse_loss(model(x), y).backward()
             ckpt.step(opt)
             opt.zero_grad()
+            time.sleep(step_s)   # stands in for a bigger model's compute
             if ckpt.step_count >= steps:
                 break
 
@@ -114,7 +115,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=2, help="alternating repetitions of the overhead runs")
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--failures", type=int, default=10, help="failures per tier (medians over them)")
-    p.add_argument("--gap", type=int, default=30, help="steps between failures")
+    p.add_argument("--gap", type=int, default=100, help="steps between failures")
+    p.add_argument("--step-s", type=float, default=0.05,
+                   help="sleep per step (compute stand-in): gap x step_s is the time between failures, "
+                        "in which the replaced spares warm up again")
     p.add_argument("--tiers", nargs="+", default=["memory", "peer"], choices=["memory", "local", "peer", "shared"])
     p.add_argument("--memory-every", type=int, default=None, help="memory snapshot every n steps (fit option)")
     p.add_argument("--out", default=None, help="working directory (default: a temp dir, removed)")
@@ -136,7 +140,8 @@ def main(argv=None) -> int:
             lc.add_node()
         log = os.path.join(work, f"{name}.jsonl")
         t0 = time.perf_counter()
-        loop = functools.partial(train_loop, steps=steps, hidden=a.hidden, layers=a.layers)
+        loop = functools.partial(train_loop, steps=steps, hidden=a.hidden, layers=a.layers,
+                                 step_s=a.step_s if name.startswith("fail-") else 0.0)
         res = fit(loop, num_nodes=2, workers_per_node=1, storage=f"file://{work}/{{node}}/local",
                   policy=policy, preemption=schedule, run_name=name, progress=False, event_log=log,
                   remove_node=lc.remove_node, add_node=lc.add_node, max_failures=a.failures + 3, **kw)
