@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                     "n": len(phases), "restored_from": sorted({ph["tier"] for ph in phases}),
                     "lost_iters": res.lost_iterations, "reused": [ph["reused"] for ph in phases],
                     "median": {k: statistics.median([ph[k] for ph in phases if ph[k] is not None] or [float("nan")])
-                               for k in (*RESTART_PHASES, "spawn", "setup", "load", "total")},
+                               for k in (*RESTART_PHASES, "spare_wait", "spawn", "setup", "load", "total")},
                     "all": phases}
     finally:
         lc.close()
@@ -199,13 +199,13 @@ def main(argv=None) -> int:
         con.print(t)
     if "recovery" in out:
         t = Table(title=f"recovery, medians over the failures of each tier (seconds; load avg {out['load_avg']:.1f})")
-        for c in ("tier", "n", "restored from", "detect", "restart", "(spawn)", "(rendezvous)", "restore",
+        for c in ("tier", "n", "restored from", "detect", "restart", "(spare wait)", "(spawn)", "(rendezvous)", "restore",
                   "(setup)", "(load)", "first step", "total", "lost iters (max)"):
             t.add_column(c, justify="right")
         for tier, r in out["recovery"].items():
             m = r["median"]
             t.add_row(tier, str(r["n"]), ",".join(map(str, r["restored_from"])),
-                      *(f"{m[k]:.3f}" for k in ("detect", "restart", "spawn", "rendezvous", "restore", "setup",
+                      *(f"{m[k]:.3f}" for k in ("detect", "restart", "spare_wait", "spawn", "rendezvous", "restore", "setup",
                                                  "load", "first_step", "total")),
                       str(max(r["lost_iters"], default=0)))
         con.print(t)

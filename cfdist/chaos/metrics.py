@@ -274,8 +274,9 @@ def recovery_phases(records: Iterable[dict]) -> list[dict]:
 
     For each ``failure`` followed (before any other failure) by ``detected``, ``restarted``,
     ``restored`` and ``resumed``: ``detect`` (failure to detected), ``restart`` (detected to
-    restarted, of which ``spawn`` starting or taking spare processes and ``rendezvous`` the
-    process group, from the ``restarted`` record), ``restore`` (restarted to restored, of which
+    restarted, of which ``spare_wait`` waiting for warm spares still starting, ``spawn``
+    starting or taking processes and ``rendezvous`` the process group, from the ``restarted``
+    record), ``restore`` (restarted to restored, of which
     ``setup``: the training function until its ``ckpt.restore()``, and ``load``), ``first_step``
     (restored to the first step completed) and ``total`` (failure to that step); plus ``tier``,
     ``kind`` and ``reused`` (warm spares in the new group). A failure during a recovery
@@ -295,7 +296,8 @@ def recovery_phases(records: Iterable[dict]) -> list[dict]:
             d, s_, rs = cur["detected"], cur["restarted"], cur["restored"]
             out.append({
                 "kind": cur["kind"], "tier": rs.get("tier"), "reused": s_.get("reused"),
-                "detect": d["t"] - cur["t"], "restart": s_["t"] - d["t"], "spawn": s_.get("spawn_s"),
+                "detect": d["t"] - cur["t"], "restart": s_["t"] - d["t"], "spare_wait": s_.get("spare_wait_s"),
+                "spawn": s_.get("spawn_s"),
                 "rendezvous": s_.get("rendezvous_s"), "restore": rs["t"] - s_["t"], "setup": rs.get("setup_s"),
                 "load": rs.get("load_s"), "first_step": r["t"] - rs["t"], "total": r["t"] - cur["t"]})
             cur = None

@@ -8,7 +8,7 @@ The schema (names and keys) is the one :mod:`cfdist.chaos.metrics` reads; keep t
     {"t": ..., "event": "failure", "kind": "crash", "step": 15, "rank": 3, "node": 1}
     {"t": ..., "event": "detected"}
     {"t": ..., "event": "nodes_ready", "nodes": 2}
-    {"t": ..., "event": "restarted", "world_size": 4, "reused": 4, "spawn_s": .., "rendezvous_s": ..}
+    {"t": ..., "event": "restarted", "world_size": 4, "reused": 4, "spare_wait_s": .., "spawn_s": .., "rendezvous_s": ..}
     {"t": ..., "event": "restored", "step": 12, "tier": "memory", "detect_s": .., "restart_s": .., "restore_s": ..}
     {"t": ..., "event": "resumed", "step": 13, "first_step_s": .., "recovery_s": ..}
     {"t": ..., "event": "end", "step": 40}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -228,7 +229,9 @@ class RayBackend:
                  for i, n in enumerate(nodes)], timeout=_CALL_S)
         if self._fn_ref is None:
             self._fn_ref = ray.put(self.train_fn)
+        t_wait = time.perf_counter()
         spares = self._take_spares(nodes)
+        spare_wait_s = time.perf_counter() - t_wait
         group = RayWorkerGroup(config=self.config, nodes=nodes, node_actors=[self.actors[n.node_id] for n in nodes],
                                tiers=[self.tiers[n.node_id] for n in nodes], attempt=attempt,
                                train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares)
@@ -237,6 +240,7 @@ class RayBackend:
         except Exception:
             group.shutdown()
             raise
+        group.phases["spare_wait"] = spare_wait_s   # spares still warming up (a failure soon after the last)
         self.group = group
         chosen = {n.node_id for n in nodes}
         self._refill_spares(nodes)
