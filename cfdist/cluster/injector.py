@@ -18,7 +18,8 @@ of every ``Controller.step``). Time 0 is when the first worker group starts runn
   drained for that slot becomes usable again. Only a slot that a preemption took down returns.
 
 A crash or preemption that falls due while the job is recovering is held until the next group
-runs (``injection_deferred``), and lands then. An injection never no-ops silently: a target missing from a smaller (elastic) group is
+has trained a step (``injection_deferred``), and lands then; one more due while one is held is
+skipped (it would hit the same recovery), so failures never starve training. An injection never no-ops silently: a target missing from a smaller (elastic) group is
 retargeted (rank or node slot modulo the group's size, logged as ``injection_retargeted``), and
 an event that cannot apply (due while recovering, slot already down) is logged as
 ``injection_skipped`` with its reason; ``FitResult.skipped_injections`` lists them.
@@ -120,7 +121,9 @@ class FailureInjector:
         self._down: dict[int, str] = {}      # node slot -> node id a preemption took (until its return)
         self._unclaimed: list[dict] = []
         self._notice_at = 0.0
-        self._held = -1
+        self._held = None                    # a failure due while recovering, for the next group
+        self._skipped_preempts: set[int] = set()
+        self._held_returns: list = []
         self.executed: list[dict] = []
 
     # ---- called by the controller ----------------------------------------------------------------
@@ -141,23 +144,47 @@ class FailureInjector:
             if e.kind == "preempt" and e.notice_s > 0 and i not in self._notices and now >= e.time_s - e.notice_s:
                 self._notices.add(i)
                 self._notice(controller, e, window_s=e.time_s - now)
+        if self._held is not None and running and controller.step_now > getattr(controller, "_attempt_base", -1):
+            e, self._held = self._held, None   # the new group trained a step: the held failure lands
+            self._run_event(controller, e)
+            for r in self._held_returns:       # and the node it took comes back as scheduled
+                self._run_event(controller, r)
+            self._held_returns = []
         while self._next < len(self.events) and self.events[self._next].time_s <= now:
             e = self.events[self._next]
-            if e.kind in ("crash", "preempt") and not running:
-                # Due while recovering: held (and the events after it) until a group runs again,
-                # so that every scheduled failure lands on a running job.
-                if self._held != self._next:
-                    self._held = self._next
-                    controller.events.emit("injection_deferred", kind=e.kind, due_s=round(e.time_s, 3),
-                                           reason=f"{e.kind} due at {e.time_s:.1f}s while recovering: "
-                                                  f"held until the next group runs")
-                break
             self._next += 1
-            try:
-                self._execute(controller, e)
-            except Exception as err:  # noqa: BLE001 - a failed injection is logged, the run goes on
-                log.warning("injecting %s failed: %s", e, err)
-                controller.events.emit("injection_failed", kind=e.kind, error=str(err)[:200])
+            if e.kind in ("crash", "preempt") and (not running or self._held is not None):
+                # Due while recovering: held until the next group trained a step (it lands then);
+                # one more due meanwhile would hit the same recovery: skipped, with the reason.
+                if self._held is None:
+                    self._held = e
+                    controller.events.emit("injection_deferred", kind=e.kind, due_s=round(e.time_s, 3),
+                                           reason=f"{e.kind} due at {e.time_s:.1f}s while recovering: held "
+                                                  f"until the next group trained a step")
+                else:
+                    controller.events.emit("injection_skipped", kind=e.kind, node=e.node, rank=e.rank,
+                                           reason=f"{e.kind} due at {e.time_s:.1f}s while recovering, with "
+                                                  f"a {self._held.kind} already held for the next group")
+                    if e.kind == "preempt":
+                        self._skipped_preempts.add(e.node)
+                continue
+            if e.kind == "return" and self._held is not None and self._held.kind == "preempt" \
+                    and self._held.node == e.node:
+                self._held_returns.append(e)   # after the held preemption
+                continue
+            if e.kind == "return" and e.node in self._skipped_preempts:
+                self._skipped_preempts.discard(e.node)
+                controller.events.emit("injection_skipped", kind="return", node=e.node,
+                                       reason="its preemption was skipped")
+                continue
+            self._run_event(controller, e)
+
+    def _run_event(self, controller, e) -> None:
+        try:
+            self._execute(controller, e)
+        except Exception as err:  # noqa: BLE001 - a failed injection is logged, the run goes on
+            log.warning("injecting %s failed: %s", e, err)
+            controller.events.emit("injection_failed", kind=e.kind, error=str(err)[:200])
 
     def _tick_steps(self, controller) -> None:
         from cfdist.cluster.states import RunningState

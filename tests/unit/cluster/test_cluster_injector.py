@@ -166,3 +166,28 @@ def test_a_target_missing_from_a_smaller_group_is_retargeted_and_logged(killed):
     assert "rank 1 is not in the running group (1 ranks)" in moved[0]["reason"]
     assert [f["kind"] for f in ctl.events.of("failure")] == ["crash", "preempt"]
     assert ctl.events.of("injection_skipped") == []
+
+
+def test_one_failure_is_held_for_the_next_group_until_it_trains_and_more_are_skipped():
+    """Recovery slower than the schedule: the first failure due meanwhile waits for the next group
+    to train a step (no livelock of groups killed at birth); the second is skipped with a reason."""
+    clock = Clock()
+    ctl = Ctl(clock)
+    inj = FailureInjector(FixedInterval(10.0, kind="crash", ranks_per_node=1, seed=0), num_nodes=2,
+                          backend=Backend(), clock=clock, horizon_s=35)
+    clock.t = 100.0
+    inj.tick(ctl)                          # t0 = 100
+    ctl.state = RecoveringState()
+    for t in (110.5, 120.5):               # both due while recovering
+        clock.t = t
+        inj.tick(ctl)
+    assert len(ctl.events.of("injection_deferred")) == 1
+    (skip,) = ctl.events.of("injection_skipped")
+    assert "already held for the next group" in skip["reason"]
+    ctl.state, ctl._attempt_base, ctl.step_now = RunningState(ctl.group), 40, 40
+    clock.t = 121.0
+    inj.tick(ctl)
+    assert ctl.group.crashed == []         # the new group has not trained yet
+    ctl.step_now = 41
+    inj.tick(ctl)
+    assert len(ctl.group.crashed) == 1
