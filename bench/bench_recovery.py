@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                     res, recs = run(f"{name.split('(')[0].replace(' ', '-').lower()}-{i}", policy=make(),
                                     steps=a.steps)
                     sps[name].append(seconds_per_step(recs))
-                    stall[name].append(res.overhead)
+                    stall[name].append(res.stall_share)
             base = statistics.median(sps["no checkpoints"])
             out["overhead"] = {n: {"s_per_step": statistics.median(v), "all": v,
                                    "ratio": statistics.median(v) / base,

@@ -71,8 +71,10 @@ class FitResult:
     """Failures tolerated."""
     failure_stats: tuple[FailureStats, ...] = ()
     """One per interruption (a failure during a recovery joins it), from the event log."""
-    overhead: float = 0.0
-    """Checkpoint stall time / training time on rank 0 (0.02 = 2%)."""
+    stall_share: float = 0.0
+    """Rank 0's checkpoint stall as a share of its running time (0.02 = 2%): cfdist's own account
+    of the waits inside ``ckpt.step``. Not the runtime overhead (it leaves out what the background
+    copy and persist take from training): ``cfdist bench`` measures that from the outside."""
     checkpoint: str | None = None
     """URL of the final checkpoint (shared tier when configured, else node 0's local tier)."""
     value: Any = None
@@ -86,6 +88,15 @@ class FitResult:
     (e.g. a preemption due while the job was already recovering). Retargeted ones (their target
     was missing from a smaller group) are executed and logged as ``injection_retargeted``."""
     extra: dict = field(default_factory=dict)
+
+    @property
+    def overhead(self) -> float:
+        """Deprecated name of :attr:`stall_share` (it is not the runtime overhead)."""
+        import warnings
+
+        warnings.warn("FitResult.overhead is rank 0's stall share, now named FitResult.stall_share; "
+                      "the runtime overhead is measured by `cfdist bench`", DeprecationWarning, stacklevel=2)
+        return self.stall_share
 
     @property
     def lost_iterations(self) -> list[int]:

@@ -56,16 +56,16 @@ def test_one_process_applies_at_once_without_a_store():
 
 
 def test_a_rank_waiting_for_rank_0_names_itself_and_the_key():
-    ranks = _ranks(2, lookahead=2, timeout_s=0.5)
+    ranks = _ranks(2, lookahead=2, timeout_s=0.2)
     ranks[1].at_step(1, lambda: 0)   # window 0: nothing to read
     ranks[1].at_step(2, lambda: 0)
-    with pytest.raises(AgreementError, match=r"rank 1 waited 0.5 s for rank 0's checkpoint interval .*k/1"):
+    with pytest.raises(AgreementError, match=r"rank 1 waited 0.2 s for rank 0's checkpoint interval .*k/1"):
         ranks[1].at_step(3, lambda: 0)   # rank 0 never published window 1
 
 
 def test_rng_exchange_collects_every_rank_and_cleans_up():
     store = dist.HashStore()
-    chans = [Channel(store, rank=r, world_size=3, timeout_s=1.0) for r in range(3)]
+    chans = [Channel(store, rank=r, world_size=3, timeout_s=0.2) for r in range(3)]
     ex = [RngExchange(c, writer=(r in (0, 2))) for r, c in enumerate(chans)]   # two writers
     for r in range(3):
         ex[r].publish(8, {"r": r})
