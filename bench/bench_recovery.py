@@ -1,21 +1,24 @@
-"""Recovery time per tier, broken down, and the checkpoint overhead of a 2-node run.
+"""Recovery time per tier and per phase (medians over many failures), and checkpoint overhead.
 
 ::
 
-    python bench/bench_recovery.py                 # ~4 minutes on 2 cores
-    python bench/bench_recovery.py --hidden 2048 --steps 200
+    python bench/bench_recovery.py                          # 10 failures per tier
+    python bench/bench_recovery.py --failures 10 --tiers memory peer --sections recovery
+    python bench/bench_recovery.py --hidden 2048 --steps 200 --sections overhead
 
-On a fake 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``, one raylet per
-node, a spare third node for replacements, each node its own "local disk" directory), one
-DDP job (an MLP, gloo, 1 rank per node) runs:
+On simulated Ray nodes on this machine (:class:`cfdist.cluster.local_cluster.LocalCluster`: one
+raylet per node, a spare third node for replacements, each node its own "local disk"
+directory), one DDP job (an MLP, gloo, 1 rank per node) runs:
 
-1. without checkpoints, then with ``Every(k)`` and no failure: seconds per step side by side,
-   and the checkpoint overhead as their ratio (and rank 0's measured stall);
-2. once per recovery path, with one failure injected at a fixed step:
+1. ``overhead``: without checkpoints, then with ``Every(k)`` and ``Auto()`` and no failure:
+   seconds per step side by side, and the checkpoint overhead as their ratio;
+2. ``recovery``: once per tier, with ``--failures`` failures injected ``--gap`` steps apart:
    ``memory`` (a rank's process SIGKILLed), ``local`` (same, memory tier off), ``peer`` (a node
-   lost, the spare seeded from the survivor's actor), ``shared`` (a node lost, peer copy off,
-   the spare seeded from shared storage). Each recovery is split from the event log by
-   :func:`cfdist.chaos.metrics.metrics_from_log` into detect, restart, restore and catch-up.
+   lost - every process of it SIGKILLed - and the spare node seeded from the survivor's actor;
+   a fresh node joins after each), ``shared`` (the same with peer copies off). Each recovery is
+   split from the event log by :func:`cfdist.chaos.metrics.recovery_phases` into detect,
+   restart (spawn: starting or taking warm spare processes; rendezvous), restore (setup: the
+   training function until its ``restore()``; load) and first step; the table shows medians.
 
 Everything runs in this one program at the same moment, so the ratios compare like with like.
 Results also go to ``bench/results/recovery.json``.
@@ -28,7 +31,6 @@ import functools
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -52,7 +54,7 @@ class Never:
         pass
 
 
-def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64):
+def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64, step_s: float = 0.0):
     """An MLP regression under DDP; rank 0 returns nothing (the event log is the output)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -74,71 +76,9 @@ def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64):
             torch.nn.functional.mse_loss(model(x), y).backward()
             ckpt.step(opt)
             opt.zero_grad()
+            time.sleep(step_s)   # stands in for a bigger model's compute
             if ckpt.step_count >= steps:
                 break
-
-
-class FakeCluster:
-    """Head (0 CPUs) + worker nodes labelled ``cfdist-node``; removing a node SIGKILLs all of
-    its processes at once (a vanished VM)."""
-
-    def __init__(self, workers: int):
-        import ray
-        from ray.cluster_utils import Cluster
-
-        self.tmp = tempfile.mkdtemp(prefix="cfb-", dir="/tmp")
-        os.environ["RAY_TMPDIR"] = self.tmp
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, include_dashboard=False, object_store_memory=200 << 20,
-            _system_config={"health_check_period_ms": 500, "health_check_timeout_ms": 500,
-                            "health_check_failure_threshold": 3}))
-        self.nodes, self.n = {}, 0
-        for _ in range(workers):
-            self.add_node()
-        self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, include_dashboard=False, log_to_driver=False,
-                 logging_level="ERROR")
-
-    def add_node(self, slot=None) -> str:
-        node = self.cluster.add_node(num_cpus=1, labels={"cfdist-node": f"n{self.n}"}, object_store_memory=200 << 20)
-        self.n += 1
-        self.nodes[node.node_id] = node
-        return node.node_id
-
-    def remove_node(self, node_id: str) -> None:
-        from ray._private import ray_constants
-
-        node = self.nodes.pop(node_id)
-        roots = [p.process.pid for p in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
-        children: dict[int, list[int]] = {}
-        for d in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-        todo = list(roots)
-        while todo:
-            for c in children.get(todo.pop(), []):
-                todo.append(c)
-                try:
-                    os.kill(c, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self.cluster.remove_node(node, allow_graceful=False)
-
-    def ensure(self, n: int) -> None:
-        while len(self.nodes) < n:
-            self.add_node()
-        self.cluster.wait_for_nodes()
-
-    def close(self) -> None:
-        import ray
-
-        ray.shutdown()
-        self.cluster.shutdown()
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def seconds_per_step(records: list[dict], skip: int = 10) -> float:
@@ -147,111 +87,132 @@ def seconds_per_step(records: list[dict], skip: int = 10) -> float:
     return (steps[-1]["t"] - steps[0]["t"]) / max(1, steps[-1]["step"] - steps[0]["step"])
 
 
+def _schedule(tier: str, failures: int, gap: int, first: int):
+    from cfdist.cluster import AtStep, StepSchedule
+
+    at = [first + i * gap for i in range(failures)]
+    if tier in ("memory", "local"):
+        return StepSchedule([AtStep(step=s, kind="crash", rank=i % 2) for i, s in enumerate(at)])
+    # a lost node, then (once the group runs on the spare) a fresh node joins as the next spare
+    return StepSchedule([e for s in at for e in (AtStep(step=s, kind="preempt", node=1),
+                                                 AtStep(step=s + 1, kind="return", node=1))])
+
+
 def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
     import cfdist
     from cfdist.api import fit
-    from cfdist.chaos.metrics import metrics_from_log, read_event_log
-    from cfdist.cluster import AtStep, StepSchedule
+    from cfdist.chaos.metrics import RESTART_PHASES, read_event_log, recovery_phases
+    from cfdist.cluster.local_cluster import LocalCluster
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=1024, help="MLP width (state = ~2 x 4 B x params)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--reps", type=int, default=2, help="alternating repetitions of the overhead pair")
+    p.add_argument("--sections", nargs="+", default=["overhead", "recovery"], choices=["overhead", "recovery"])
+    p.add_argument("--hidden", type=int, default=256, help="MLP width (state = ~2 x 4 B x params)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=150, help="steps of the overhead runs")
+    p.add_argument("--reps", type=int, default=2, help="alternating repetitions of the overhead runs")
     p.add_argument("--every", type=int, default=10)
-    p.add_argument("--fail-at", type=int, default=45)
+    p.add_argument("--failures", type=int, default=10, help="failures per tier (medians over them)")
+    p.add_argument("--gap", type=int, default=100, help="steps between failures")
+    p.add_argument("--step-s", type=float, default=0.05,
+                   help="sleep per step (compute stand-in): gap x step_s is the time between failures, "
+                        "in which the replaced spares warm up again")
+    p.add_argument("--tiers", nargs="+", default=["memory", "peer"], choices=["memory", "local", "peer", "shared"])
+    p.add_argument("--memory-every", type=int, default=None, help="memory snapshot every n steps (fit option)")
     p.add_argument("--out", default=None, help="working directory (default: a temp dir, removed)")
     a = p.parse_args(argv)
 
     work = a.out or tempfile.mkdtemp(prefix="cfdist-bench-")
     os.makedirs(work, exist_ok=True)
-    fc = FakeCluster(workers=3)
-    loop = functools.partial(train_loop, steps=a.steps, hidden=a.hidden, layers=a.layers)
     params = sum(p.numel() for p in torch.nn.Sequential(
         torch.nn.Linear(64, a.hidden), *[torch.nn.Linear(a.hidden, a.hidden) for _ in range(a.layers - 1)],
         torch.nn.Linear(a.hidden, 8)).parameters())
     con = Console(width=150)
-    con.print(f"[bold]bench_recovery[/]: MLP {a.layers}x{a.hidden} ({params / 1e6:.1f} M params, "
-              f"{2 * 4 * params / 2**20:.0f} MiB state with momentum), {a.steps} steps, 2 nodes x 1 rank (gloo), "
-              f"Every({a.every}), failure at step {a.fail_at}; work dir {work}")
+    con.print(f"[bold]bench_recovery[/]: MLP {a.layers}x{a.hidden} ({params / 1e6:.2f} M params, "
+              f"{2 * 4 * params / 2**20:.1f} MiB state with momentum), 2 nodes x 1 rank (gloo), Every({a.every}); "
+              f"{a.failures} failures per tier, {a.gap} steps apart; work dir {work}; load {os.getloadavg()[0]:.1f}")
+    lc = LocalCluster(num_nodes=3).start()
 
-    def run(name, *, policy, schedule=None, **kw):
-        fc.ensure(3)
+    def run(name, *, policy, steps, schedule=None, **kw):
+        while len(lc.nodes) < 3:
+            lc.add_node()
         log = os.path.join(work, f"{name}.jsonl")
         t0 = time.perf_counter()
+        loop = functools.partial(train_loop, steps=steps, hidden=a.hidden, layers=a.layers,
+                                 step_s=a.step_s if name.startswith("fail-") else 0.0)
         res = fit(loop, num_nodes=2, workers_per_node=1, storage=f"file://{work}/{{node}}/local",
                   policy=policy, preemption=schedule, run_name=name, progress=False, event_log=log,
-                  remove_node=fc.remove_node, add_node=fc.add_node, max_failures=3, **kw)
+                  remove_node=lc.remove_node, add_node=lc.add_node, max_failures=a.failures + 3, **kw)
         con.print(f"  {name}: {time.perf_counter() - t0:.1f}s wall, final step {res.final_step}, "
-                  f"failures {res.failures}")
+                  f"failures {res.failures}, skipped injections {len(res.skipped_injections)}")
         return res, read_event_log(log)
 
-    out = {"config": vars(a), "params": params}
+    out = {"config": vars(a), "params": params, "load_avg": os.getloadavg()[0]}
     try:
-        policies = {"no checkpoints": Never, f"Every({a.every})": lambda: cfdist.Every(a.every),
-                    "Auto()": cfdist.Auto}
-        sps: dict[str, list[float]] = {n: [] for n in policies}
-        stall: dict[str, list[float]] = {n: [] for n in policies}
-        ks: dict[str, list] = {n: [] for n in policies}
-        for i in range(a.reps):          # A B C A B C: drifting machine load hits all alike
-            for name, make in policies.items():
-                res, recs = run(f"{name.split('(')[0].replace(' ', '-').lower()}-{i}", policy=make())
-                sps[name].append(seconds_per_step(recs))
-                stall[name].append(res.stall_share)
-                ks[name].append(sorted({r["step"] for r in recs if r["event"] == "checkpoint_committed"})[:6])
-        base = statistics.median(sps["no checkpoints"])
-        out["overhead"] = {n: {"s_per_step": statistics.median(v), "all": v,
-                               "ratio": statistics.median(v) / base,
-                               "rank0_stall_fraction": statistics.fmean(stall[n]),
-                               "first_checkpoints": ks[n][0]} for n, v in sps.items()}
-        sps_ck = out["overhead"][f"Every({a.every})"]["s_per_step"]
-        paths = {
-            "memory": dict(schedule=StepSchedule([AtStep(step=a.fail_at, kind="crash", rank=1)])),
-            "local": dict(schedule=StepSchedule([AtStep(step=a.fail_at, kind="crash", rank=1)]), memory_tier=False),
-            "peer": dict(schedule=StepSchedule([AtStep(step=a.fail_at, kind="preempt", node=1)])),
-            "shared": dict(schedule=StepSchedule([AtStep(step=a.fail_at, kind="preempt", node=1)]),
-                           peer_copy=False, shared_storage=f"file://{work}/shared", shared_every=1),
-        }
-        out["recovery"] = {}
-        for tier, kw in paths.items():
-            res, recs = run(f"fail-{tier}", policy=cfdist.Every(a.every), **kw)
-            m = metrics_from_log(recs, iter_s=sps_ck)
-            for f, fs in zip(m.failures, res.failure_stats):
+        if "overhead" in a.sections:
+            policies = {"no checkpoints": Never, f"Every({a.every})": lambda: cfdist.Every(a.every),
+                        "Auto()": cfdist.Auto}
+            sps: dict[str, list[float]] = {n: [] for n in policies}
+            stall: dict[str, list[float]] = {n: [] for n in policies}
+            for i in range(a.reps):          # A B C A B C: drifting machine load hits all alike
+                for name, make in policies.items():
+                    res, recs = run(f"{name.split('(')[0].replace(' ', '-').lower()}-{i}", policy=make(),
+                                    steps=a.steps)
+                    sps[name].append(seconds_per_step(recs))
+                    stall[name].append(res.stall_share)
+            base = statistics.median(sps["no checkpoints"])
+            out["overhead"] = {n: {"s_per_step": statistics.median(v), "all": v,
+                                   "ratio": statistics.median(v) / base,
+                                   "rank0_stall_fraction": statistics.fmean(stall[n])} for n, v in sps.items()}
+        if "recovery" in a.sections:
+            extra = {"memory": {}, "local": {"memory_tier": False}, "peer": {},
+                     "shared": {"peer_copy": False, "shared_storage": f"file://{work}/shared", "shared_every": 1}}
+            if a.memory_every:
+                extra = {t: {**kw, "memory_every": a.memory_every} for t, kw in extra.items()}
+            out["recovery"] = {}
+            for tier in a.tiers:
+                first = a.gap
+                steps = first + a.failures * a.gap + 5
+                res, recs = run(f"fail-{tier}", policy=cfdist.Every(a.every), steps=steps,
+                                schedule=_schedule(tier, a.failures, a.gap, first), **extra[tier])
+                phases = recovery_phases(recs)
                 out["recovery"][tier] = {
-                    "restored_from": fs.tier, "lost_iters": fs.lost_iterations, "detect_s": f.detect_s,
-                    "wait_s": f.wait_s, "restart_s": f.restart_s, "restore_s": f.restore_s,
-                    "catchup_s": f.catchup_s, "total_s": f.recovery_s,
-                    "load_s": next((r.get("load_s") for r in recs if r["event"] == "restored"), None),
-                    "stage_s": next((r.get("stage_s") for r in recs if r["event"] == "restored"), None)}
+                    "n": len(phases), "restored_from": sorted({ph["tier"] for ph in phases}),
+                    "lost_iters": res.lost_iterations, "reused": [ph["reused"] for ph in phases],
+                    "median": {k: statistics.median([ph[k] for ph in phases if ph[k] is not None] or [float("nan")])
+                               for k in (*RESTART_PHASES, "spare_wait", "spawn", "setup", "load", "total")},
+                    "all": phases}
     finally:
-        fc.close()
+        lc.close()
         if a.out is None:
             shutil.rmtree(work, ignore_errors=True)
 
-    t = Table(title="checkpoint overhead, 2 nodes x 1 rank (same job, same moment)")
-    for c in ("policy", "s/step", "vs no checkpoints", "rank 0 stall", "first checkpoints at"):
-        t.add_column(c, justify="right")
-    for name, o in out["overhead"].items():
-        t.add_row(name, f"{o['s_per_step']:.4f}", f"{o['ratio']:.3f}", f"{100 * o['rank0_stall_fraction']:.2f}%",
-                  ", ".join(map(str, o["first_checkpoints"])) or "-")
-    t.caption = (f"median of {a.reps} interleaved runs each, steady state (steps > 10); all nodes share "
-                 f"this machine's cores, so the persist (hashing, fsync) competes with training here")
-    con.print(t)
-    t = Table(title=f"recovery after one failure at step {a.fail_at} (seconds)")
-    for c in ("failure / tier", "restored from", "lost iters", "detect", "restart", "(stage)", "restore",
-              "(load)", "catch-up", "total"):
-        t.add_column(c, justify="right")
-    for tier, r in out["recovery"].items():
-        t.add_row(tier, r["restored_from"], str(r["lost_iters"]), f"{r['detect_s']:.2f}",
-                  f"{r['wait_s'] + r['restart_s']:.2f}", f"{r['stage_s'] or 0:.2f}", f"{r['restore_s']:.2f}",
-                  f"{r['load_s'] or 0:.3f}", f"{r['catchup_s']:.2f}", f"{r['total_s']:.2f}")
-    con.print(t)
-    con.print("restart = new worker processes + torch.distributed rendezvous (+ stage: copying the "
-              "checkpoint to a new node); restore = training function start until the state is loaded "
-              "(load: reading + verifying the checkpoint itself)")
+    if "overhead" in out:
+        t = Table(title="checkpoint overhead, 2 nodes x 1 rank (same job, same moment)")
+        for c in ("policy", "s/step", "vs no checkpoints", "rank 0 stall"):
+            t.add_column(c, justify="right")
+        for name, o in out["overhead"].items():
+            t.add_row(name, f"{o['s_per_step']:.4f}", f"{o['ratio']:.3f}", f"{100 * o['rank0_stall_fraction']:.2f}%")
+        t.caption = f"median of {a.reps} interleaved runs each, steady state (steps > 10)"
+        con.print(t)
+    if "recovery" in out:
+        t = Table(title=f"recovery, medians over the failures of each tier (seconds; load avg {out['load_avg']:.1f})")
+        for c in ("tier", "n", "restored from", "detect", "restart", "(spare wait)", "(spawn)", "(rendezvous)", "restore",
+                  "(setup)", "(load)", "first step", "total", "lost iters (max)"):
+            t.add_column(c, justify="right")
+        for tier, r in out["recovery"].items():
+            m = r["median"]
+            t.add_row(tier, str(r["n"]), ",".join(map(str, r["restored_from"])),
+                      *(f"{m[k]:.3f}" for k in ("detect", "restart", "spare_wait", "spawn", "rendezvous", "restore", "setup",
+                                                 "load", "first_step", "total")),
+                      str(max(r["lost_iters"], default=0)))
+        con.print(t)
+        con.print("detect: failure -> seen by the driver; restart: -> new group running (spawn: warm spares "
+                  "taken or processes started; rendezvous: torch.distributed init); restore: -> state loaded "
+                  "(setup: training function start until restore(); load: reading it); first step: -> the "
+                  "first step after it completed; total: failure -> that step")
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "recovery.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -20,7 +20,9 @@ the event log, the progress bar and the failure injector.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import time
 import uuid
@@ -57,15 +59,19 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
         preemption: a failure schedule to inject (``cfdist.chaos.FixedInterval(...)``,
             ``cfdist.cluster.injector.StepSchedule([...])``); None: no injected failures.
         total_steps: shown in the progress bar (optional).
-        ray_address: a cluster to attach to; default ``$RAY_ADDRESS`` (set by ``ray job submit``),
-            else an existing ``ray.init()``, else a new local Ray instance (stopped at the end).
+        ray_address: a cluster to attach to; default an existing ``ray.init()``, else
+            ``$RAY_ADDRESS`` (set by ``ray job submit``), else ``num_nodes`` simulated Ray nodes
+            started on this machine (each with its own local-disk directory: ``/{node}`` is
+            appended to ``storage`` when missing), stopped at the end. The start says which.
         remove_node, add_node: how the injector takes a node away / brings one back (a test's
-            ``ray.cluster_utils.Cluster``); default: exclude the node and kill its actors.
+            ``ray.cluster_utils.Cluster``); default with simulated nodes: the simulated node's
+            processes are killed and a fresh node joins at the schedule's return; on a real
+            cluster: exclude the node and kill its actors.
         **options: any other :class:`FitConfig` field (``min_nodes``, ``shared_every``,
-            ``cpus_per_worker``, ``event_log``, ``progress``, ``storage_options``, ...).
+            ``memory_every`` (memory snapshots every n steps, disk at the policy's interval),
+            ``warm_spares``, ``sigterm_grace_s``, ``cpus_per_worker``, ``event_log``,
+            ``progress``, ``storage_options``, ...).
     """
-    import ray
-
     from cfdist.cluster.controller import Controller
     from cfdist.cluster.events import EventLog
     from cfdist.cluster.injector import FailureInjector
@@ -79,11 +85,21 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
         from cfdist.policy import Auto
 
         policy = Auto()
-    started_ray = _ensure_ray(ray_address, config)
+    if config.memory_every:
+        from cfdist.policy.memory import MemoryEvery
+
+        policy = MemoryEvery(policy, config.memory_every)
+    config, local = _connect(ray_address, config)
+    if local is not None and preemption is not None and remove_node is None and add_node is None:
+        remove_node, add_node = local.remove_node, local.add_node   # a preemption takes a real (simulated) node
     run_id = f"{config.run_name}-{uuid.uuid4().hex[:8]}"
     path = config.event_log or os.path.join("cfdist-runs", config.run_name,
                                             f"events-{time.strftime('%Y%m%d-%H%M%S')}-{run_id[-8:]}.jsonl")
     events = EventLog(path)
+    if local is not None:
+        _say(events, "cluster", f"no RAY_ADDRESS: started {local.num_nodes} simulated Ray node(s) on this machine "
+                                f"({local.cpus_per_node} CPU each), local disks {', '.join(config.storage)}",
+             simulated=True, nodes=local.num_nodes, cpus_per_node=local.cpus_per_node, storage=list(config.storage))
     backend = RayBackend(config, run_id=run_id, train_fn=train_loop, policy=policy)
     injector = None
     if preemption is not None:
@@ -92,27 +108,45 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
     controller = Controller(config, backend, events, injector=injector)
     try:
         with ProgressDisplay(events, total_steps=total_steps, enabled=config.progress):
-            return controller.run()
+            result = controller.run()
+        for r in result.skipped_injections:
+            log.warning("injected failure not executed: %s", r.get("reason"))
+        return result
     finally:
         backend.close()
         events.close()
-        if started_ray:
-            ray.shutdown()
+        if local is not None:
+            local.close()
 
 
-def _ensure_ray(address: str | None, config: FitConfig) -> bool:
-    """Connect to (or start) Ray; True when this call started a local instance."""
+def _say(events, event: str, text: str, **fields) -> None:
+    """A line for the user: in the event log (the progress bar prints it) and the logger."""
+    events.emit(event, message=text, **fields)
+    log.info("%s", text)
+
+
+def _connect(address: str | None, config: FitConfig):
+    """Attach to a cluster, or start simulated nodes here. Returns ``(config, local cluster or None)``.
+
+    An initialised Ray (a test's cluster) or ``address`` / ``$RAY_ADDRESS`` is used as it is.
+    Otherwise ``config.num_nodes`` simulated nodes start on this machine
+    (:class:`~cfdist.cluster.local_cluster.LocalCluster`), each with its own local-disk
+    directory: ``/{node}`` is appended to ``storage`` roots that lack ``{node}`` (the returned
+    config says so; the start message names the directories).
+    """
     import ray
 
+    from cfdist.cluster.config import NODE_PLACEHOLDER
+    from cfdist.cluster.local_cluster import LocalCluster
+
     if ray.is_initialized():
-        return False
+        return config, None
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
-        return False
-    # A fresh local instance (never another user's cluster found on this machine).
-    need = config.world_size * config.cpus_per_worker
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-             num_cpus=max(int(need + 0.999), os.cpu_count() or 1), num_gpus=None,
-             configure_logging=True, logging_level=logging.WARNING)
-    return True
+        return config, None
+    if config.num_nodes > 1 and config.local_tier:
+        roots = tuple(u if NODE_PLACEHOLDER in u else f"{u.rstrip('/')}/{NODE_PLACEHOLDER}" for u in config.storage)
+        config = dataclasses.replace(config, storage=roots)
+    cpus = max(1, math.ceil(config.workers_per_node * config.cpus_per_worker))
+    return config, LocalCluster(num_nodes=config.num_nodes, cpus_per_node=cpus, log_to_driver=True).start()

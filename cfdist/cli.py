@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "ls": "cfdist.cli:_register_ls",
     "inspect": "cfdist.cli:_register_inspect",
     "demo": "cfdist.cli:_register_demo",
-    "experiment": "cfdist.chaos.experiment:register",      # chaos experiments (cfdist/chaos)
+    "experiment": "cfdist.experiments.experiment:register",   # preemption experiments (cfdist/experiments)
     "bench": "cfdist.benchmarks.cli:register",             # benchmarks vs torch.save and DCP
 }
 

@@ -6,7 +6,7 @@ Submit it to a running cluster (``ray up cluster_configs/<cloud>.yaml``, or a lo
     ray job submit --address http://127.0.0.1:8265 --working-dir launch -- \
         python preemption_experiment.py --out /tmp/cfdist-experiment --nodes 2 --mtbf-s 20 --steps 1000
 
-The job's driver runs the small job of ``cfdist.chaos.workload`` once without failures, then once
+The job's driver runs the small job of ``cfdist.experiments.workload`` once without failures, then once
 per policy (epoch baseline, ``Every(10)``, ``Auto``, failure-aware ``Auto(mtbf_s)``; ``--policies``)
 while the failure injector crashes ranks and preempts nodes of the job on the schedule's clock (a
 preempted node is drained: its ranks and node actor are killed and it is excluded until it
@@ -21,7 +21,7 @@ import json
 
 
 def main(argv=None) -> dict:
-    from cfdist.chaos.experiment import add_arguments, config_from_args, run_experiment
+    from cfdist.experiments.experiment import add_arguments, config_from_args, run_experiment
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(p)

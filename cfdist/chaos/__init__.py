@@ -1,7 +1,9 @@
 """Chaos: seeded failure schedules, trace replay, a discrete-event simulator and goodput metrics.
 
-Everything here is pure (no clocks, no Ray). The injector that executes a schedule against a
-running ``cfdist.fit`` job lives beside it and is the only part that touches processes.
+Everything here is pure (no clocks, no Ray) and imports nothing from :mod:`cfdist.cluster` or
+:mod:`cfdist.api`. The injector that executes a schedule against a running ``cfdist.fit`` job
+lives in :mod:`cfdist.cluster.injector`; the experiment runner that calls ``cfdist.fit`` lives
+in :mod:`cfdist.experiments` (an entry point).
 
 - :mod:`~cfdist.chaos.events`: :class:`FailureEvent`, the :class:`Schedule` protocol, seeded pickers.
 - :mod:`~cfdist.chaos.schedules`: :class:`Exponential`, :class:`Weibull`, :class:`FixedInterval`.
@@ -10,9 +12,8 @@ running ``cfdist.fit`` job lives beside it and is the only part that touches pro
 - :mod:`~cfdist.chaos.simulator`: :func:`simulate` a policy against a schedule.
 - :mod:`~cfdist.chaos.metrics`: the JSONL event-log schema and :func:`metrics_from_log`.
 - :mod:`~cfdist.chaos.plots`: PNG figures (imports matplotlib; not imported here).
-- :mod:`~cfdist.chaos.experiment`: the same job under the same schedule for several policies on
-  Ray, measured and simulated side by side (``cfdist experiment``; imports Ray, not imported
-  here). Its pure parts: :mod:`~cfdist.chaos.calibrate` (costs from event logs, prediction) and
+- The pure parts of :mod:`cfdist.experiments.experiment` (``cfdist experiment``, on Ray):
+  :mod:`~cfdist.chaos.calibrate` (costs from event logs, prediction) and
   :mod:`~cfdist.chaos.report` (results.json, markdown tables, figures).
 
 Example: what the AWS p3 spot trace costs an 8-node job under CheckFreq's k::

@@ -1,6 +1,6 @@
 """From real runs' event logs to simulator costs, and the simulator's prediction of each run. Pure.
 
-A preemption experiment (:mod:`cfdist.chaos.experiment`) runs one job per policy under the same
+A preemption experiment (:mod:`cfdist.experiments.experiment`) runs one job per policy under the same
 failure schedule and keeps each run's JSONL event log. This module turns those logs into:
 
 - **the training window** of a run (:func:`training_window`): from the start of its first step

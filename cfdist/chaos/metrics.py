@@ -47,8 +47,14 @@ How records become numbers: a failure that arrives before the previous one's ``r
 part of the same interruption (its ``events`` count grows). An interruption's recovery is split
 at its last ``detected``, ``nodes_ready``, ``restarted`` and ``restored`` into detect, wait,
 restart and restore (a missing mark makes its phase 0 and its time go to the next phase);
-catch-up runs from ``restored`` until the first ``step`` >= the step at failure. Lost iterations
-= step at failure - restored step.
+catch-up runs from ``restored`` until the first ``step`` >= the step at failure.
+
+Lost work is defined here and nowhere else (:func:`lost_iterations`): the steps completed after
+the restored checkpoint and before the failure, i.e. the work that must be redone (a crash at
+step 93 restored from 90 loses 3; a crash during a restart, before the new group finished a
+step, loses 0: its ``step`` is the restored one). A failure during a recovery joins that
+interruption, so work is counted once. ``resume_s`` (``cfdist.FitResult.recovery_seconds``) is
+the failure until the first ``step`` completed after the restore.
 """
 
 from __future__ import annotations
@@ -77,6 +83,14 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
 _MARKS = ("detected", "nodes_ready", "restarted", "restored")
 
 
+def lost_iterations(step: int, restored_step: int) -> int:
+    """Iterations to redo after a failure: steps completed after ``restored_step`` and up to
+    ``step`` (the last step completed before the failure). 0 when the restored step is as new
+    (a failure before the new group finished a step) or newer (a step completed while the
+    failure was being logged)."""
+    return max(0, step - restored_step)
+
+
 @dataclass(frozen=True, kw_only=True)
 class FailureRecord:
     """One interruption of the job and its recovery (seconds are wall seconds)."""
@@ -103,12 +117,17 @@ class FailureRecord:
     """False when the next failure or the end of the run came before catch-up finished."""
     events: int = 1
     """Failure events merged into this interruption (several nodes lost at once, or during recovery)."""
+    tier: str | None = None
+    """Where the restored checkpoint came from (the ``restored`` record's tier; None: not logged)."""
+    world_size: int | None = None
+    """Ranks of the group that resumed (the last ``restarted`` record's; None: not logged)."""
+    resume_s: float | None = None
+    """Failure until the first step completed after the restore (None: it never resumed)."""
 
     @property
     def lost_iters(self) -> int:
-        """Iterations redone because of this interruption (0 when the restored step is newer than
-        the step logged at the failure: the ranks finished a step while the failure was logged)."""
-        return max(0, self.step - self.restored_step)
+        """Iterations redone because of this interruption (:func:`lost_iterations`)."""
+        return lost_iterations(self.step, self.restored_step)
 
     @property
     def recovery_s(self) -> float:
@@ -246,6 +265,45 @@ def commit_latencies(records: Iterable[dict]) -> list[float]:
     return out
 
 
+RESTART_PHASES: tuple[str, ...] = ("detect", "restart", "rendezvous", "restore", "first_step")
+"""The phases of one recovery as ``cfdist.fit`` logs them (see :func:`recovery_phases`)."""
+
+
+def recovery_phases(records: Iterable[dict]) -> list[dict]:
+    """Seconds per phase of every recovery that resumed, from a ``cfdist.fit`` event log. Pure.
+
+    For each ``failure`` followed (before any other failure) by ``detected``, ``restarted``,
+    ``restored`` and ``resumed``: ``detect`` (failure to detected), ``restart`` (detected to
+    restarted, of which ``spare_wait`` waiting for warm spares still starting, ``spawn``
+    starting or taking processes and ``rendezvous`` the process group, from the ``restarted``
+    record), ``restore`` (restarted to restored, of which
+    ``setup``: the training function until its ``ckpt.restore()``, and ``load``), ``first_step``
+    (restored to the first step completed) and ``total`` (failure to that step); plus ``tier``,
+    ``kind`` and ``reused`` (warm spares in the new group). A failure during a recovery
+    discards that recovery (it has no clean phases).
+    """
+    out: list[dict] = []
+    cur: dict | None = None
+    for r in records:
+        ev = r.get("event")
+        if ev == "failure":
+            cur = {"kind": r.get("kind"), "t": r["t"]}
+        elif cur is None:
+            continue
+        elif ev in ("detected", "restarted", "restored") and ev not in cur:
+            cur[ev] = r
+        elif ev == "resumed" and {"detected", "restarted", "restored"} <= cur.keys():
+            d, s_, rs = cur["detected"], cur["restarted"], cur["restored"]
+            out.append({
+                "kind": cur["kind"], "tier": rs.get("tier"), "reused": s_.get("reused"),
+                "detect": d["t"] - cur["t"], "restart": s_["t"] - d["t"], "spare_wait": s_.get("spare_wait_s"),
+                "spawn": s_.get("spawn_s"),
+                "rendezvous": s_.get("rendezvous_s"), "restore": rs["t"] - s_["t"], "setup": rs.get("setup_s"),
+                "load": rs.get("load_s"), "first_step": r["t"] - rs["t"], "total": r["t"] - cur["t"]})
+            cur = None
+    return out
+
+
 def estimate_iter_s(records: list[dict]) -> float:
     """Median seconds between consecutive ``step`` records one step apart."""
     steps = [r for r in records if r["event"] == "step"]
@@ -263,6 +321,13 @@ class _Open:
         self.marks: dict[str, float] = {}
         self.restored_step = 0
         self.resume_t = math.nan
+        self.first_step_t = math.nan
+        self.tier: str | None = None
+        self.world_size: int | None = None
+
+    def catchup_s(self, t: float) -> float:
+        """Catch-up until ``t`` (0 when nothing was lost)."""
+        return 0.0 if self.restored_step >= self.step else t - self.resume_t
 
     def record(self, *, catchup_s: float, caught_up: bool, end_t: float | None = None) -> FailureRecord:
         points, prev = [], self.t
@@ -276,7 +341,9 @@ class _Open:
         return FailureRecord(
             time_s=self.t, kind=self.kind, step=self.step, restored_step=self.restored_step,
             detect_s=durations[0], wait_s=durations[1], restart_s=durations[2], restore_s=durations[3],
-            catchup_s=catchup_s, caught_up=caught_up, events=self.events,
+            catchup_s=catchup_s, caught_up=caught_up, events=self.events, tier=self.tier,
+            world_size=self.world_size,
+            resume_s=None if math.isnan(self.first_step_t) else self.first_step_t - self.t,
         )
 
 
@@ -305,8 +372,10 @@ def metrics_from_log(
         if ev == "step" and open_ is None:
             step = r["step"]
             progress.append((t, step))
+            if catching is not None and math.isnan(catching.first_step_t):
+                catching.first_step_t = t
             if catching is not None and step >= catching.step:
-                done.append(catching.record(catchup_s=t - catching.resume_t, caught_up=True))
+                done.append(catching.record(catchup_s=catching.catchup_s(t), caught_up=True))
                 catching = None
         elif ev == "checkpoint_committed":
             committed = max(committed, r["step"]) if open_ is None else committed
@@ -317,27 +386,28 @@ def metrics_from_log(
                     open_.kind = "crash"
                 continue
             if catching is not None:
-                done.append(catching.record(catchup_s=t - catching.resume_t, caught_up=False))
+                done.append(catching.record(catchup_s=catching.catchup_s(t),
+                                            caught_up=catching.restored_step >= catching.step))
                 catching = None
             open_ = _Open(t, r["kind"], r["step"])
             open_.restored_step = committed
             progress.append((t, r["step"]))
         elif ev in _MARKS and open_ is not None:
             open_.marks[ev] = t
+            if ev == "restarted" and "world_size" in r:
+                open_.world_size = r["world_size"]
             if ev == "restored":
                 open_.restored_step = step = committed = r["step"]
                 open_.resume_t = t
+                open_.tier = r.get("tier")
                 progress += [(open_.t, step), (t, step)]
-                if step >= open_.step:
-                    done.append(open_.record(catchup_s=0.0, caught_up=True))
-                else:
-                    catching = open_
-                open_ = None
+                catching, open_ = open_, None   # recorded at its first step (resume_s) / catch-up
         elif ev == "end":
             step = r["step"] if open_ is None else step
     t_end = records[-1]["t"] - t0
     if catching is not None:
-        done.append(catching.record(catchup_s=t_end - catching.resume_t, caught_up=False))
+        done.append(catching.record(catchup_s=catching.catchup_s(t_end),
+                                    caught_up=catching.restored_step >= catching.step))
     if open_ is not None:
         done.append(open_.record(catchup_s=0.0, caught_up=False, end_t=t_end))
         step = open_.restored_step

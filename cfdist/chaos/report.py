@@ -57,7 +57,7 @@ class PolicyRun:
 
 @dataclass(frozen=True, kw_only=True)
 class ExperimentResult:
-    """Everything :func:`cfdist.chaos.experiment.run_experiment` measured and predicted."""
+    """Everything :func:`cfdist.experiments.experiment.run_experiment` measured and predicted."""
 
     config: dict
     """The experiment's config, as a dict."""

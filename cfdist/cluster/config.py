@@ -66,6 +66,19 @@ class FitConfig:
     keep: int = 2
     """Committed checkpoints kept per tier (the one in flight comes on top); two, so a restore
     that finds the newest one corrupt falls back to the previous one."""
+    memory_every: int | None = None
+    """Snapshot to the memory tier every n steps (1: every step; a crashed worker then loses at
+    most n iterations) while disk and shared storage keep the policy's interval. None: every
+    checkpoint goes to all tiers. Needs ``memory_tier``."""
+    sigterm_grace_s: float = 25.0
+    """Seconds a preempted machine leaves between SIGTERM and the kill. A rank that receives
+    SIGTERM takes an emergency checkpoint when its recent commit latency fits this window, waits
+    for it to commit (at most the window), then exits; otherwise it exits at once."""
+    warm_spares: bool = True
+    """Keep a warm spare rank process per rank slot on every node of the group (started in the
+    background, torch and the training function already imported, 0 CPUs reserved while it
+    waits), so a restart reuses processes instead of starting them. CPU runs only: GPU ranks
+    always start fresh (Ray assigns GPUs when a process starts)."""
     poll_s: float = 0.2
     """Driver polling period: failure detection latency and progress refresh."""
     rendezvous_timeout_s: float = 120.0
@@ -74,6 +87,9 @@ class FitConfig:
     """Path of the JSONL event log; None: ``./cfdist-runs/<run_name>/events-<time>.jsonl``."""
     progress: bool = True
     """Show a progress bar on the driver (rich)."""
+    metadata_url: str | None = None
+    """Base URL of the instance metadata service that nodes labelled ``cfdist-notices`` poll
+    for preemption notices (None: the cloud's own; a test's fake server otherwise)."""
     storage_options: dict | None = None
     """fsspec options for ``shared_storage`` (credentials, endpoint_url); never logged."""
 
@@ -110,12 +126,18 @@ class FitConfig:
         if self.min_nodes > self.num_nodes:
             raise ValueError(f"min_nodes={self.min_nodes} exceeds num_nodes={self.num_nodes}; "
                              f"use min_nodes <= num_nodes")
-        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s"):
+        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s", "sigterm_grace_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
         if not (isinstance(self.cpus_per_worker, (int, float)) and self.cpus_per_worker >= 0):
             raise ValueError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker!r}")
+        if self.memory_every is not None:
+            if not isinstance(self.memory_every, int) or isinstance(self.memory_every, bool) or self.memory_every < 1:
+                raise ValueError(f"memory_every must be an int >= 1 or None, got {self.memory_every!r}")
+            if not self.memory_tier:
+                raise ValueError(f"memory_every={self.memory_every} snapshots to the memory tier, which "
+                                 f"memory_tier=False turns off; enable it or drop memory_every")
         if not (self.memory_tier or self.local_tier or self.shared_storage):
             raise ValueError("no tier to write to: enable memory_tier or local_tier, or set shared_storage")
 

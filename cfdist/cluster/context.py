@@ -63,6 +63,10 @@ class TrainContext:
         self._save_requested = False
         self._step = 0
         self._ckpts: list[_FitCheckpointer] = []
+        self._t_start = time.time()   # the training function starts (recovery's "setup" phase)
+        self._step_t: dict[int, float] = {}                   # step -> when it finished (recent)
+        self._commit_s: collections.deque = collections.deque(maxlen=5)   # step -> commit seconds
+        self._seen_commit = 0
 
     # ---- identity ------------------------------------------------------------------------------
     rank = property(lambda self: self._info.rank, doc="Global rank (0 .. world_size-1).")
@@ -103,11 +107,12 @@ class TrainContext:
                                "and one local tier per run, so build one Checkpointer with every object "
                                "to save in its state dict")
         policy = policy if policy is not None else _fresh(self._policy)
+        policy = _memory_every(policy, self._policy, memory=bool(self._tiers.get("memory")))
         node_tiers = [u for u in (self._tiers.get("memory"), self._tiers.get("local")) if u]
         ck = _FitCheckpointer(
             self, state, node_tiers[0], policy, keep=self._keep, rank=self.rank,
             world_size=self.world_size, writer=self.local_rank == 0,
-            backend=ActorBackend(self._node_actor, self.attempt), restore_from=node_tiers[1:], **kwargs)
+            backend=ActorBackend(self._node_actor, self.attempt, policy), restore_from=node_tiers[1:], **kwargs)
         self._ckpts.append(ck)
         return ck
 
@@ -129,6 +134,7 @@ class TrainContext:
         """After every ``ckpt.step``: record the step; True when a save was requested (the
         checkpointer then asks for one at a step every rank agrees on)."""
         self._step = ck.step_count
+        self._track_commit(ck)
         with self._lock:
             if self.rank == 0:
                 self._records.append({"type": "step", "step": ck.step_count, "t": time.time(),
@@ -136,12 +142,38 @@ class TrainContext:
             save, self._save_requested = self._save_requested, False
         return save
 
+    def _track_commit(self, ck) -> None:
+        """Recent commit latencies (step finished -> its checkpoint committed, as this rank saw)."""
+        now = time.time()
+        self._step_t[ck.step_count] = now
+        if len(self._step_t) > 256:
+            self._step_t.pop(min(self._step_t))
+        done = ck.latest_step or 0
+        if done > self._seen_commit and done in self._step_t:
+            self._commit_s.append(now - self._step_t[done])
+        self._seen_commit = max(self._seen_commit, done)
+
+    def _latest_committed(self) -> int:
+        return max([ck.latest_step or 0 for ck in self._ckpts], default=0)
+
+    def _emergency_save(self, window_s: float) -> tuple[bool, str]:
+        """SIGTERM: mark preempted; request a checkpoint at the next step (the node's writer
+        takes it) if the recent commit latency fits ``window_s``. Returns ``(fits, reason)``:
+        when it fits, the rank keeps training until the commit (other ranks: until the window
+        ends), since the writer's checkpoint needs the collectives of the next step. Any thread."""
+        from cfdist.cluster.injector import emergency_checkpoint_fits
+
+        fits, reason = emergency_checkpoint_fits(window_s, list(self._commit_s))
+        self._notify(preempted=True, save=fits)
+        return fits, reason
+
     def _on_restored(self, step: int | None, seconds: float) -> None:
         self._step = step or 0
         with self._lock:
             self._records.append({"type": "restored", "rank": self.rank, "step": step or 0,
                                   "tier": self._restore_tier if step else "none",
-                                  "restore_s": round(seconds, 6), "t": time.time()})
+                                  "restore_s": round(seconds, 6), "t": time.time(),
+                                  "setup_s": round(time.time() - seconds - self._t_start, 6)})
 
     # ---- driver side (another thread of the worker actor) ------------------------------------------
     def _notify(self, *, preempted: bool, save: bool) -> None:
@@ -196,6 +228,15 @@ class _FitCheckpointer(Checkpointer):
         got = super().restore(want) if want is not None else None
         self._ctx._on_restored(got, time.perf_counter() - t0)
         return got
+
+
+def _memory_every(policy, run_policy, *, memory: bool):
+    """``policy`` under the run's ``memory_every`` (when the run has one and a memory tier)."""
+    from cfdist.policy.memory import MemoryEvery
+
+    every = run_policy.every if isinstance(run_policy, MemoryEvery) else None
+    inner = policy.policy if isinstance(policy, MemoryEvery) else policy
+    return MemoryEvery(inner, every) if every and memory else inner
 
 
 def _fresh(policy):

@@ -23,7 +23,7 @@ from typing import Callable
 from cfdist.cluster.config import FitConfig
 from cfdist.cluster.decisions import Failure, FailurePolicy, ScalingPolicy, choose_restore
 from cfdist.cluster.events import EventLog
-from cfdist.cluster.result import FailureStats, FitError, FitResult
+from cfdist.cluster.result import FitError, FitResult, failure_stats
 from cfdist.cluster.states import (
     ClusterBackend, ControllerState, FailedState, FinishedState, GroupStatus, RecoveringState, RunningState,
 )
@@ -47,12 +47,12 @@ class Controller:
         self.scaling = ScalingPolicy(num_nodes=config.num_nodes, min_nodes=config.min_nodes)
         self.state: ControllerState = RecoveringState()
         self.attempt = -1
-        self.failures: list[FailureStats] = []   # recovered failures, with their timings
         self.num_failures = 0                      # failures tolerated so far
         self.step_now = 0            # rank 0's newest finished step
         self.executed = 0            # steps executed by finished attempts
         self._attempt_base = 0       # step the current attempt started from
         self._recovery: dict | None = None
+        self._resuming: tuple[float, float] | None = None   # (failed at, restored at) until the first step
         self._dead_pids: list[int] = []
         self._committed: set[tuple[int, str]] = set()
         self._grow_to: int | None = None
@@ -152,7 +152,9 @@ class Controller:
         self._dead_pids = []
         self._last_nodes = [n.node_id for n in chosen]
         self._world_sizes.append(group.world_size)
-        self.events.emit("restarted", world_size=group.world_size, nodes=len(chosen), attempt=self.attempt)
+        phases = {f"{k}_s": round(v, 6) for k, v in (getattr(group, "phases", None) or {}).items()}
+        self.events.emit("restarted", world_size=group.world_size, nodes=len(chosen), attempt=self.attempt,
+                         reused=getattr(group, "reused", 0), **phases)
         self._attempt_base = choice.step or 0
         self._committed = {k for k in self._committed if k[0] <= self._attempt_base}
         self.step_now = self._attempt_base
@@ -174,6 +176,8 @@ class Controller:
     def _run(self, st: RunningState) -> ControllerState:
         status = st.group.poll(self.config.poll_s)
         resize = self._absorb(st, status.records, self.backend.drain_commits())
+        for notice in getattr(self.backend, "drain_notices", list)():
+            self._on_notice(st, notice)
         if status.errors:
             return self._on_failure(st, status)
         if status.finished:
@@ -199,6 +203,12 @@ class Controller:
                 if self._recovery is not None and "restarted_at" in self._recovery:
                     # the loop never called ckpt.restore(): it resumed from its own state
                     self._on_restored({"step": self._attempt_base, "restore_s": None, "t": r["t"]})
+                if self._resuming is not None:
+                    failed_at, restored_at = self._resuming
+                    self._resuming = None
+                    self.events.emit("resumed", t=r["t"], step=r["step"],
+                                     first_step_s=round(max(0.0, r["t"] - restored_at), 6),
+                                     recovery_s=round(max(0.0, r["t"] - failed_at), 6))
                 self.step_now = r["step"]
                 self._attempt_stall = r.get("stall_s", self._attempt_stall)
                 self.events.emit("step", t=r["t"], **fields)
@@ -213,18 +223,15 @@ class Controller:
         if rec is None:
             return
         t = r.get("t", self.clock())
+        if rec.get("failure") is not None:
+            self._resuming = (rec["failed_at"], t)
         detect_s = rec["detected_at"] - rec["failed_at"]
         restart_s = rec["restarted_at"] - rec["detected_at"]
         restore_s = max(0.0, t - rec["restarted_at"])
         tier = rec["tier"] if r.get("step") else "none"
         self.events.emit("restored", t=t, step=r["step"], tier=tier, detect_s=round(detect_s, 6),
                          restart_s=round(restart_s, 6), restore_s=round(restore_s, 6),
-                         load_s=r.get("restore_s"), stage_s=round(rec.get("stage_s", 0.0), 6))
-        if rec.get("failure") is not None:
-            f = rec["failure"]
-            self.failures.append(FailureStats(
-                kind=f.kind, step=f.step, restored_step=r["step"], tier=tier, detect_s=detect_s,
-                restart_s=restart_s, restore_s=restore_s, world_size=rec.get("world_size", 0)))
+                         load_s=r.get("restore_s"), setup_s=r.get("setup_s"), stage_s=round(rec.get("stage_s", 0.0), 6))
 
     def _on_commit(self, st: RunningState, c: dict) -> ControllerState | None:
         key = (c["step"], c["tier"])
@@ -244,6 +251,20 @@ class Controller:
         self._grow_to = None
         self._recovery = {"resume": True, "failed_at": self.clock(), "detected_at": self.clock()}
         return RecoveringState(resize=True)
+
+    def _on_notice(self, st: RunningState, n: dict) -> None:
+        """A cloud preemption notice from a node actor: ``ctx.preempted`` on that node's ranks,
+        and an emergency checkpoint on every node if it can commit before the deadline."""
+        from cfdist.chaos.metrics import commit_latencies
+        from cfdist.cluster.injector import emergency_checkpoint_fits
+
+        node = st.group.node_rank_of(n.get("node_id")) if hasattr(st.group, "node_rank_of") else None
+        window = n["deadline"] - self.clock()
+        save, reason = emergency_checkpoint_fits(window, commit_latencies(list(self.events.records)))
+        self.events.emit("notice", node=node, source=n.get("source"), window_s=round(window, 3), save=save,
+                         reason=reason, detail=n.get("detail", ""))
+        if node is not None:
+            st.group.notify([node], save=save)
 
     def _check_capacity(self, st: RunningState) -> None:
         if len(st.group.nodes) >= self.config.num_nodes or self._grow_to is not None:
@@ -306,13 +327,6 @@ class Controller:
             return FailedState(FitError(
                 f"giving up: {decision.reason}. Last error: {failure.message or failure.kind}. Fix the "
                 f"error, or raise max_failures"))
-        prev = self._recovery
-        if prev is not None and prev.get("failure") is not None:
-            # A failure during recovery: the earlier one never resumed; record it as such.
-            self.failures.append(FailureStats(
-                kind=prev["failure"].kind, step=prev["failure"].step, restored_step=0, tier="none",
-                detect_s=prev["detected_at"] - prev["failed_at"],
-                restart_s=failure.detected_at - prev["detected_at"], restore_s=0.0, world_size=0))
         self._recovery = {"failure": failure, "failed_at": failure.failed_at, "detected_at": failure.detected_at}
         return RecoveringState(failure)
 
@@ -334,8 +348,10 @@ class Controller:
         value = self.state.value if isinstance(self.state, FinishedState) else None
         return FitResult(
             final_step=self.step_now, steps=self.executed, failures=self.num_failures,
-            failure_stats=tuple(self.failures),
+            failure_stats=failure_stats(self.events.records),
             stall_share=self._stall_s / self._running_s if self._running_s > 0 else 0.0,
             checkpoint=self._final_url, value=value, wall_s=self.clock() - self._t0,
             event_log=self.events.path, world_sizes=tuple(self._world_sizes),
+            skipped_injections=tuple(r for r in self.events.records
+                                     if r["event"] in ("injection_skipped", "injection_failed")),
         )

@@ -8,9 +8,15 @@ The schema (names and keys) is the one :mod:`cfdist.chaos.metrics` reads; keep t
     {"t": ..., "event": "failure", "kind": "crash", "step": 15, "rank": 3, "node": 1}
     {"t": ..., "event": "detected"}
     {"t": ..., "event": "nodes_ready", "nodes": 2}
-    {"t": ..., "event": "restarted", "world_size": 4}
+    {"t": ..., "event": "restarted", "world_size": 4, "reused": 4, "spare_wait_s": .., "spawn_s": .., "rendezvous_s": ..}
     {"t": ..., "event": "restored", "step": 12, "tier": "memory", "detect_s": .., "restart_s": .., "restore_s": ..}
+    {"t": ..., "event": "resumed", "step": 13, "first_step_s": .., "recovery_s": ..}
     {"t": ..., "event": "end", "step": 40}
+
+The phases of a recovery: detect (``failure`` to ``detected``), restart (``detected`` to
+``restarted``; of which ``spawn_s`` starting or taking warm spare processes, ``reused`` of them
+spares, and ``rendezvous_s`` the process group), restore (``restarted`` to ``restored``), first
+step (``restored`` to ``resumed``); ``resumed.recovery_s`` is the failure to the first step.
 
 Extra records (``decision``, ``notice``, ``resize``) carry the controller's decisions with their
 inputs; readers ignore unknown events. ``t`` is ``time.time()`` and never decreases within a

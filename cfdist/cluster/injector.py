@@ -17,6 +17,13 @@ of every ``Controller.step``). Time 0 is when the first worker group starts runn
 * ``return`` (node slot n): ``add_node(slot)`` when given (a fresh node joins), else the node
   drained for that slot becomes usable again. Only a slot that a preemption took down returns.
 
+A crash or preemption that falls due while the job is recovering is held until the next group
+has trained a step (``injection_deferred``), and lands then; one more due while one is held is
+skipped (it would hit the same recovery), so failures never starve training. An injection never no-ops silently: a target missing from a smaller (elastic) group is
+retargeted (rank or node slot modulo the group's size, logged as ``injection_retargeted``), and
+an event that cannot apply (due while recovering, slot already down) is logged as
+``injection_skipped`` with its reason; ``FitResult.skipped_injections`` lists them.
+
 Injected failures are logged as ``failure`` records at the instant they are injected, so the
 controller's detection latency is measured (``detected`` - ``failure``).
 """
@@ -114,6 +121,9 @@ class FailureInjector:
         self._down: dict[int, str] = {}      # node slot -> node id a preemption took (until its return)
         self._unclaimed: list[dict] = []
         self._notice_at = 0.0
+        self._held = None                    # a failure due while recovering, for the next group
+        self._skipped_preempts: set[int] = set()
+        self._held_returns: list = []
         self.executed: list[dict] = []
 
     # ---- called by the controller ----------------------------------------------------------------
@@ -134,14 +144,47 @@ class FailureInjector:
             if e.kind == "preempt" and e.notice_s > 0 and i not in self._notices and now >= e.time_s - e.notice_s:
                 self._notices.add(i)
                 self._notice(controller, e, window_s=e.time_s - now)
+        if self._held is not None and running and controller.step_now > getattr(controller, "_attempt_base", -1):
+            e, self._held = self._held, None   # the new group trained a step: the held failure lands
+            self._run_event(controller, e)
+            for r in self._held_returns:       # and the node it took comes back as scheduled
+                self._run_event(controller, r)
+            self._held_returns = []
         while self._next < len(self.events) and self.events[self._next].time_s <= now:
             e = self.events[self._next]
             self._next += 1
-            try:
-                self._execute(controller, e)
-            except Exception as err:  # noqa: BLE001 - a failed injection is logged, the run goes on
-                log.warning("injecting %s failed: %s", e, err)
-                controller.events.emit("injection_failed", kind=e.kind, error=str(err)[:200])
+            if e.kind in ("crash", "preempt") and (not running or self._held is not None):
+                # Due while recovering: held until the next group trained a step (it lands then);
+                # one more due meanwhile would hit the same recovery: skipped, with the reason.
+                if self._held is None:
+                    self._held = e
+                    controller.events.emit("injection_deferred", kind=e.kind, due_s=round(e.time_s, 3),
+                                           reason=f"{e.kind} due at {e.time_s:.1f}s while recovering: held "
+                                                  f"until the next group trained a step")
+                else:
+                    controller.events.emit("injection_skipped", kind=e.kind, node=e.node, rank=e.rank,
+                                           reason=f"{e.kind} due at {e.time_s:.1f}s while recovering, with "
+                                                  f"a {self._held.kind} already held for the next group")
+                    if e.kind == "preempt":
+                        self._skipped_preempts.add(e.node)
+                continue
+            if e.kind == "return" and self._held is not None and self._held.kind == "preempt" \
+                    and self._held.node == e.node:
+                self._held_returns.append(e)   # after the held preemption
+                continue
+            if e.kind == "return" and e.node in self._skipped_preempts:
+                self._skipped_preempts.discard(e.node)
+                controller.events.emit("injection_skipped", kind="return", node=e.node,
+                                       reason="its preemption was skipped")
+                continue
+            self._run_event(controller, e)
+
+    def _run_event(self, controller, e) -> None:
+        try:
+            self._execute(controller, e)
+        except Exception as err:  # noqa: BLE001 - a failed injection is logged, the run goes on
+            log.warning("injecting %s failed: %s", e, err)
+            controller.events.emit("injection_failed", kind=e.kind, error=str(err)[:200])
 
     def _tick_steps(self, controller) -> None:
         from cfdist.cluster.states import RunningState
@@ -183,29 +226,37 @@ class FailureInjector:
 
         group = self._group(controller)
         if e.kind == "crash":
-            if group is None or e.rank >= group.world_size:
-                controller.events.emit("injection_skipped", kind="crash", rank=e.rank, reason="no such rank running")
+            if group is None:
+                controller.events.emit("injection_skipped", kind="crash", rank=e.rank,
+                                       reason=f"crash of rank {e.rank} due while no group ran (recovering)")
                 return
-            self._failed(controller, kind="crash", rank=e.rank, node=e.rank // max(1, group.world_size // len(group.nodes)))
-            group.crash(e.rank)
+            rank = self._retarget(controller, e, "rank", e.rank, group.world_size)
+            self._failed(controller, kind="crash", rank=rank, node=rank // max(1, group.world_size // len(group.nodes)))
+            group.crash(rank)
         elif e.kind == "preempt":
             nodes = group.nodes if group is not None else []
             if e.node in self._down:
                 controller.events.emit("injection_skipped", kind="preempt", node=e.node,
-                                       reason="node slot already down (preempted, not returned yet)")
+                                       reason=f"node slot {e.node} already down (preempted, not returned yet)")
                 return
-            if e.node >= len(nodes):
-                controller.events.emit("injection_skipped", kind="preempt", node=e.node, reason="no such node in the group")
+            if not nodes:
+                controller.events.emit("injection_skipped", kind="preempt", node=e.node,
+                                       reason=f"preemption of node slot {e.node} due while no group ran (recovering)")
                 return
-            node = nodes[e.node]
-            self._failed(controller, kind="preempt", node=e.node, notice_s=e.notice_s)
+            slot = self._retarget(controller, e, "node", e.node, len(nodes))
+            if slot in self._down:
+                controller.events.emit("injection_skipped", kind="preempt", node=e.node,
+                                       reason=f"retargeted node slot {slot} already down")
+                return
+            node = nodes[slot]
+            self._failed(controller, kind="preempt", node=slot, notice_s=e.notice_s)
             self._down[e.node] = node.node_id
             if self.remove_node is not None:
                 self.remove_node(node.node_id)
             else:
                 self.backend.excluded.add(node.node_id)
                 w = group.world_size // len(nodes)
-                for r in range(e.node * w, (e.node + 1) * w):
+                for r in range(slot * w, (slot + 1) * w):
                     ray.kill(group.actor_of(r), no_restart=True)
                 # Forget the node actor as well as killing it: the node is drained, not lost,
                 # and gets a fresh actor (empty memory tier) when it returns.
@@ -222,10 +273,24 @@ class FailureInjector:
             controller.events.emit("node_returned", node=e.node)
             if self.add_node is not None:
                 self.add_node(e.node)
+                warm = getattr(self.backend, "warm_spare_nodes", None)
+                if warm is not None:
+                    warm()   # node actor and spare ranks start on the new node now, not at the next failure
             else:
                 self.backend.excluded.discard(node_id)
                 getattr(self.backend, "dead", set()).discard(node_id)
         self.executed.append({"t": self.clock(), "kind": e.kind, "node": e.node, "rank": e.rank})
+
+    @staticmethod
+    def _retarget(controller, e, what: str, target: int, size: int) -> int:
+        """``target`` if the group has it, else ``target % size`` (logged: never a silent no-op)."""
+        if target < size:
+            return target
+        new = target % size
+        controller.events.emit("injection_retargeted", kind=e.kind, **{what: new},
+                               reason=f"{what} {target} is not in the running group ({size} {what}s): "
+                                      f"{e.kind} of {what} {new} instead")
+        return new
 
     def _failed(self, controller, **fields) -> None:
         group = self._group(controller)

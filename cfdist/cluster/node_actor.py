@@ -57,7 +57,8 @@ class NodeCheckpointer:
     Created by the driver with node-affinity scheduling, one per node, kept across attempts.
     """
 
-    def __init__(self, *, config: FitConfig, run_id: str, node_id: str, node_name: str):
+    def __init__(self, *, config: FitConfig, run_id: str, node_id: str, node_name: str,
+                 notices: str | None = None):
         self.config = config
         self.node_id = node_id
         self.node_name = node_name
@@ -90,6 +91,15 @@ class NodeCheckpointer:
         self._shared_thread = threading.Thread(target=self._shared_loop, name="cfdist-shared", daemon=True)
         if self.shared is not None:
             self._shared_thread.start()
+        self._watcher = None
+        if notices:
+            from cfdist.cluster.notices import NoticeWatcher
+
+            self._watcher = NoticeWatcher(notices, self._on_notice, base_url=config.metadata_url)
+
+    def _on_notice(self, notice) -> None:
+        """The cloud will take this node at ``notice.deadline``: tell the driver (drained)."""
+        self._event("preemption_notice", source=notice.source, deadline=notice.deadline, detail=notice.detail)
 
     # ---- wiring ------------------------------------------------------------------------------
     def ready(self) -> dict:
@@ -121,8 +131,9 @@ class NodeCheckpointer:
         return n
 
     # ---- the persist path ----------------------------------------------------------------------
-    def persist(self, job: PersistJob, attempt: int) -> CommitInfo:
-        """Write ``job`` to the memory and local tiers (blocking the caller's handle only)."""
+    def persist(self, job: PersistJob, attempt: int, to_disk: bool = True) -> CommitInfo:
+        """Write ``job`` to the memory and local tiers (blocking the caller's handle only);
+        ``to_disk=False`` (a ``memory_every`` snapshot): the memory tier only."""
         t0 = time.perf_counter()
         with self._lock:
             if attempt != self._attempt:
@@ -132,14 +143,14 @@ class NodeCheckpointer:
             # RAM is the node's: the memory tier never accumulates epoch-end checkpoints
             in_memory = dataclasses.replace(job, keep_epoch_ends=0)
             for tier, sts, jb in (("memory", self.mem, in_memory), ("local", self.local, job)):
-                if sts is None:
+                if sts is None or (tier != "memory" and not to_disk and self.mem is not None):
                     continue
                 info = write_checkpoint(sts, jb)
                 infos.append(info)
                 self._event("checkpoint_committed", step=job.step, tier=tier, bytes=info.bytes,
                             persist_s=round(info.seconds, 6))
-            self._commits += 1
-            share = self._shared_writer and self.shared is not None and (
+            self._commits += to_disk
+            share = to_disk and self._shared_writer and self.shared is not None and (
                 self._commits % self.config.shared_every == 0)
         if share:
             self._want_shared(job.step)
@@ -190,6 +201,20 @@ class NodeCheckpointer:
                 self._shared_done = step
                 self._shared_error = err
                 self._shared_cv.notify_all()
+
+    def flush_local(self) -> int | None:
+        """Copy the memory tier's newest step to the local tier when it is newer (``memory_every``
+        snapshots skip the disk); blocking. Returns the local tier's newest step."""
+        if self.local is None:
+            return None
+        with self._lock:
+            newest_mem = max(committed_steps(self.mem[0]), default=None) if self.mem else None
+            newest_local = max(committed_steps(self.local[0]), default=None)
+            if newest_mem is not None and (newest_local is None or newest_mem > newest_local):
+                transfer.commit_frozen(transfer.freeze(self.mem, newest_mem), newest_mem, self.local,
+                                       source=f"memory of node {self.node_name}", keep=self.config.keep)
+                newest_local = newest_mem
+        return newest_local
 
     def flush_shared(self, step: int | None = None, timeout_s: float = 600.0) -> int | None:
         """Copy ``step`` (default: the newest committed) to shared storage and wait for it.
@@ -273,6 +298,8 @@ class NodeCheckpointer:
     def close(self, remove_memory: bool = True, dead_pids=()) -> None:
         """Stop the shared copier (after its current copy), free the memory tier and the arenas
         of the workers the driver killed (``dead_pids``)."""
+        if self._watcher is not None:
+            self._watcher.stop()
         with self._shared_cv:
             self._closing = True
             self._shared_cv.notify_all()
@@ -314,12 +341,15 @@ class ActorBackend:
 
     needs_shared_memory = True
 
-    def __init__(self, actor, attempt: int):
+    def __init__(self, actor, attempt: int, policy=None):
         self.actor = actor
         self.attempt = attempt
+        self.policy = policy
+        """A :class:`~cfdist.policy.memory.MemoryEvery` decides which steps also go to disk."""
 
     def submit(self, job: PersistJob) -> ActorPending:
-        return ActorPending(self.actor.persist.remote(job, self.attempt), job.step)
+        to_disk = self.policy is None or not hasattr(self.policy, "to_disk") or self.policy.to_disk(job.step)
+        return ActorPending(self.actor.persist.remote(job, self.attempt, to_disk), job.step)
 
     def close(self) -> None:
         pass  # the actor outlives the workers

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from cfdist.cluster.config import NODE_PLACEHOLDER, FitConfig
 
+NOTICES_LABEL = "cfdist-notices"
+"""Ray node label: ``aws`` or ``gcp`` makes the node poll that cloud's preemption notices."""
 NAME_LABEL = "cfdist-node"
 """Ray node label that names a node for ``{node}`` (``ray start --labels='{"cfdist-node":"a"}'``)."""
 
@@ -23,6 +25,8 @@ class NodeInfo:
     ip: str
     cpus: float
     gpus: float
+    notices: str | None = None
+    """Cloud whose preemption notices the node polls (label ``cfdist-notices``), or None."""
 
 
 def fits(config: FitConfig, cpus: float, gpus: float) -> bool:
@@ -49,8 +53,9 @@ def usable_nodes(config: FitConfig, *, excluded: frozenset[str] = frozenset(), n
         cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
         if not fits(config, cpus, gpus):
             continue
-        name = (n.get("Labels") or {}).get(NAME_LABEL) or n.get("NodeManagerHostname") or n["NodeManagerAddress"]
-        out.append(NodeInfo(n["NodeID"], name, n["NodeManagerAddress"], cpus, gpus))
+        labels = n.get("Labels") or {}
+        name = labels.get(NAME_LABEL) or n.get("NodeManagerHostname") or n["NodeManagerAddress"]
+        out.append(NodeInfo(n["NodeID"], name, n["NodeManagerAddress"], cpus, gpus, labels.get(NOTICES_LABEL)))
     return sorted(out, key=lambda x: (x.name, x.node_id))
 
 

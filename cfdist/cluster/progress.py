@@ -19,14 +19,15 @@ class ProgressDisplay:
                  console: Console | None = None):
         self.enabled = enabled
         self.total = total_steps
-        self._state = {"loss": None, "ckpt": {}, "failures": 0, "world": None, "status": "starting"}
+        self._state = {"loss": None, "ckpt": {}, "failures": 0, "world": None, "wanted": None, "status": "starting"}
         self._progress = None
+        self._console = console or Console(stderr=True)
         if enabled:
             self._progress = Progress(
                 TextColumn("[bold]{task.fields[status]}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("ckpt {task.fields[ckpt]}"),
                 TextColumn("failures {task.fields[failures]}"), TextColumn("world {task.fields[world]}"),
-                TimeElapsedColumn(), console=console or Console(stderr=True), transient=False,
+                TimeElapsedColumn(), console=self._console, transient=False,
                 refresh_per_second=4)
             self._task = self._progress.add_task("fit", total=total_steps, **self._fields())
         events.subscribe(self.on_event)
@@ -35,11 +36,18 @@ class ProgressDisplay:
         s = self._state
         ck = " ".join(f"{t}:{n}" for t, n in sorted(s["ckpt"].items())) or "-"
         loss = f"{s['loss']:.4f}" if isinstance(s["loss"], (int, float)) else "-"
-        return {"status": s["status"], "loss": loss, "ckpt": ck, "failures": s["failures"], "world": s["world"] or "-"}
+        world = s["world"] or "-"
+        if s["world"] and s["wanted"] and s["world"] != s["wanted"]:
+            world = f"{s['world']}/{s['wanted']}"   # elastic: smaller than asked for
+        return {"status": s["status"], "loss": loss, "ckpt": ck, "failures": s["failures"], "world": world}
 
     def on_event(self, rec: dict) -> None:
         s, ev = self._state, rec["event"]
         completed = None
+        if ev == "start":
+            s["wanted"] = rec.get("world_size")
+        elif ev == "cluster":
+            self._say(rec.get("message", ""))
         if ev in ("step", "metrics"):
             if "loss" in rec:
                 s["loss"] = rec["loss"]
@@ -51,17 +59,27 @@ class ProgressDisplay:
         elif ev == "failure":
             s["failures"] += 1
             s["status"] = f"{rec.get('kind', 'failure')}!"
+            where = f"rank {rec['rank']}" if rec.get("rank") is not None else f"node {rec.get('node')}"
+            self._say(f"{rec.get('kind', 'failure')} of {where} at step {rec.get('step')}"
+                      f"{' (injected)' if rec.get('injected') else ''}: recovering")
         elif ev == "restarted":
             s["world"] = rec.get("world_size")
             s["status"] = "restored" if s["failures"] else "running"
         elif ev == "restored":
             completed = rec["step"]
+            if "detect_s" in rec:
+                self._say(f"resumed from step {rec['step']} ({rec.get('tier')})")
         elif ev == "end":
             completed = rec["step"]
             s["status"] = "done" if "error" not in rec else "failed"
         if self._progress is not None:
             kw = {"completed": completed} if completed is not None else {}
             self._progress.update(self._task, **kw, **self._fields())
+
+    def _say(self, text: str) -> None:
+        """A line above the bar (only when the bar is shown)."""
+        if self._progress is not None:
+            self._console.print(f"[bold]cfdist[/]: {text}")
 
     def __enter__(self):
         if self._progress is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -22,7 +23,7 @@ from cfdist.cluster.config import FitConfig
 from cfdist.cluster.decisions import Holding, RestoreChoice
 from cfdist.cluster.node_actor import NodeCheckpointer, memory_root
 from cfdist.cluster.nodes import NodeInfo
-from cfdist.cluster.worker_group import RayWorkerGroup
+from cfdist.cluster.worker_group import RayWorkerGroup, new_rank_actor
 
 log = logging.getLogger("cfdist.backend")
 
@@ -49,6 +50,10 @@ class RayBackend:
         self.actors: dict[str, object] = {}
         self.tiers: dict[str, dict] = {}
         self._warming: dict[str, tuple] = {}   # node id -> (actor, ready ref): spares, started ahead
+        self._spares: dict[str, list[tuple]] = {}   # node id -> [(rank actor, warm ref)]: warm spare ranks
+        self._spare_pids: dict[object, int] = {}
+        self._fn_ref = None
+        self._notices: list[dict] = []
         self.group: RayWorkerGroup | None = None
         self.last_restart_s = 0.0
 
@@ -63,7 +68,7 @@ class RayBackend:
         actor = _RemoteNode.options(
             num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
-        ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name)
+        ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name, notices=n.notices)
         return actor, actor.ready.remote()
 
     def prewarm(self, nodes: list[NodeInfo]) -> None:
@@ -72,6 +77,17 @@ class RayBackend:
         for n in nodes:
             if n.node_id not in self.actors and n.node_id not in self._warming:
                 self._warming[n.node_id] = self._spawn(n)
+
+    def warm_spare_nodes(self) -> None:
+        """Start node actors and warm spare ranks (non-blocking) on usable nodes outside the
+        running group, e.g. a node that just joined, so a recovery onto it does not wait."""
+        group = {n.node_id for n in self.group.nodes} if self.group is not None else set()
+        try:
+            spare = [n for n in self.usable_nodes() if n.node_id not in group]
+            self.prewarm(spare)
+            self._refill_spares(spare)
+        except Exception as e:  # noqa: BLE001 - an optimisation only
+            log.warning("could not warm spare nodes: %s", e)
 
     def _ensure_actors(self, nodes: list[NodeInfo]) -> None:
         new = {}
@@ -109,6 +125,49 @@ class RayBackend:
     def _forget(self, node_id: str) -> None:
         self.actors.pop(node_id, None)
         self.tiers.pop(node_id, None)
+        for actor, _ in self._spares.pop(node_id, []):
+            self._kill_spare(actor)
+
+    # ---- warm spare ranks ------------------------------------------------------------------------
+    def _refill_spares(self, nodes: list[NodeInfo]) -> None:
+        """Start (non-blocking) spare rank processes until each node has one per rank slot."""
+        if not self.config.warm_spares or self.config.use_gpu:
+            return
+        if self._fn_ref is None:
+            self._fn_ref = ray.put(self.train_fn)
+        for n in nodes:
+            pool = self._spares.setdefault(n.node_id, [])
+            while len(pool) < self.config.workers_per_node:
+                actor = new_rank_actor(self.config, n.node_id, None)
+                pool.append((actor, actor.warm.remote(self._fn_ref)))
+
+    def _take_spares(self, nodes: list[NodeInfo]) -> dict[str, list]:
+        """The warm spares of ``nodes`` (removed from the pool), waiting for the ones still
+        warming up (a process half-way through its imports beats a new one); a spare that died
+        or does not get ready within the rendezvous timeout is replaced by a fresh rank."""
+        pools = {n.node_id: self._spares.pop(n.node_id, []) for n in nodes}
+        refs = [ref for pool in pools.values() for _, ref in pool]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=self.config.rendezvous_timeout_s)
+        out: dict[str, list] = {}
+        for nid, pool in pools.items():
+            for actor, ref in pool:
+                try:
+                    self._spare_pids[actor] = ray.get(ref, timeout=0)
+                    out.setdefault(nid, []).append(actor)
+                except (ray.exceptions.RayError, TimeoutError) as e:
+                    log.warning("a warm spare on node %s is not usable (%s); starting a fresh rank", nid[:8], e)
+                    self._kill_spare(actor)
+        return out
+
+    def _kill_spare(self, actor) -> None:
+        from cfdist.cluster.quiet import expect_death
+
+        expect_death(self._spare_pids.pop(actor, 0))
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone with its node
+            pass
 
     def _ask_all(self, method: str, *args, timeout: float = _CALL_S, **kwargs) -> dict[str, object]:
         """Call ``method`` on every known actor; forget the ones that are gone."""
@@ -117,11 +176,13 @@ class RayBackend:
         for nid, ref in refs.items():
             try:
                 out[nid] = ray.get(ref, timeout=timeout)
-            except ray.exceptions.RayActorError:
-                self.dead.add(nid)
-                self._forget(nid)
             except ray.exceptions.GetTimeoutError:
                 log.warning("node actor %s did not answer %s within %.0fs; ignoring it", nid[:8], method, timeout)
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+                # gone: crashed with its node, or killed by Ray's memory monitor
+                log.warning("node actor %s is gone (%s); forgetting it", nid[:8], type(e).__name__)
+                self.dead.add(nid)
+                self._forget(nid)
         return out
 
     # ---- the controller's questions ----------------------------------------------------------------
@@ -167,27 +228,38 @@ class RayBackend:
         self._ensure_actors(nodes)
         ray.get([self.actors[n.node_id].begin_attempt.remote(attempt, shared_writer=(i == 0), dead_pids=dead_pids)
                  for i, n in enumerate(nodes)], timeout=_CALL_S)
+        if self._fn_ref is None:
+            self._fn_ref = ray.put(self.train_fn)
+        t_wait = time.perf_counter()
+        spares = self._take_spares(nodes)
+        spare_wait_s = time.perf_counter() - t_wait
         group = RayWorkerGroup(config=self.config, nodes=nodes, node_actors=[self.actors[n.node_id] for n in nodes],
                                tiers=[self.tiers[n.node_id] for n in nodes], attempt=attempt,
-                               train_fn=self.train_fn, policy=self.policy, choice=choice)
+                               train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares)
         try:
             self.last_restart_s = group.start()
         except Exception:
             group.shutdown()
             raise
+        group.phases["spare_wait"] = spare_wait_s   # spares still warming up (a failure soon after the last)
         self.group = group
         chosen = {n.node_id for n in nodes}
-        try:
-            self.prewarm([n for n in self.usable_nodes() if n.node_id not in chosen])
-        except Exception as e:  # noqa: BLE001 - an optimisation only
-            log.warning("could not start node actors on spare nodes: %s", e)
+        self._refill_spares(nodes)
+        self.warm_spare_nodes()
         return group
 
     def drain_commits(self) -> list[dict]:
         out = []
         for evs in self._ask_all("drain_events", timeout=10).values():
-            out += evs
+            out += [e for e in evs if e["event"] == "checkpoint_committed"]
+            self._notices += [e for e in evs if e["event"] == "preemption_notice"]
         return sorted(out, key=lambda e: e["t"])
+
+    def drain_notices(self) -> list[dict]:
+        """Cloud preemption notices the node actors saw since the previous call (after
+        :meth:`drain_commits`, which collects them)."""
+        out, self._notices = self._notices, []
+        return out
 
     def finish(self) -> str | None:
         """Make the final checkpoint durable in shared storage (if any); return its URL."""
@@ -201,9 +273,9 @@ class RayBackend:
             step = ray.get(actor.flush_shared.remote(), timeout=3600)
             if step is not None:
                 return f"{tiers['shared']}/{step_dir(step)}"
-        h = ray.get(actor.holdings.remote(), timeout=_CALL_S)
-        if h["local"] and tiers.get("local"):
-            return f"{tiers['local'][0]}/{step_dir(max(h['local']))}"
+        step = ray.get(actor.flush_local.remote(), timeout=3600)
+        if step is not None and tiers.get("local"):
+            return f"{tiers['local'][0]}/{step_dir(step)}"
         return None   # memory only: freed with the run
 
     def close(self) -> None:
@@ -227,6 +299,10 @@ class RayBackend:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
+        for pool in self._spares.values():
+            for actor, _ in pool:
+                self._kill_spare(actor)
+        self._spares.clear()
         self.actors.clear()
         self._warming.clear()
         root = memory_root(self.run_id)

@@ -8,32 +8,55 @@ from typing import Any
 
 @dataclass(frozen=True, kw_only=True)
 class FailureStats:
-    """One tolerated failure and its recovery, as the controller measured it (wall seconds)."""
+    """One interruption and its recovery, read from the run's event log (wall seconds).
+
+    Built by :func:`failure_stats` from the same records and rules as
+    :func:`cfdist.chaos.metrics_from_log`: lost work and recovery time are defined there, once.
+    A failure during a recovery joins that interruption (``events`` > 1).
+    """
 
     kind: str
-    """``"crash"``, ``"preempt"`` or ``"error"``."""
+    """``"crash"`` or ``"preempt"`` (a training error counts as a crash)."""
     step: int
-    """Steps finished when it happened."""
+    """Last step completed before the failure."""
     restored_step: int
     """Step training resumed from (0: scratch)."""
     tier: str
-    """Where the restored checkpoint came from: memory, local, peer, shared or none."""
+    """Where the restored checkpoint came from: memory, local, peer, shared, none, or ``"?"`` if the
+    run ended before it resumed."""
     detect_s: float
+    """Failure until the controller saw it."""
     restart_s: float
-    """Detected until the new group ran (includes waiting for nodes and staging the checkpoint)."""
+    """Detected until the new group ran (waiting for nodes and staging the checkpoint included)."""
     restore_s: float
-    """Loading the checkpoint on rank 0."""
+    """Group running until the checkpoint was loaded."""
     world_size: int
-    """Ranks of the group that resumed."""
+    """Ranks of the group that resumed (0: it never resumed)."""
+    resume_s: float | None = None
+    """Failure until the first step completed after the restore (None: never resumed)."""
+    lost_iterations: int = 0
+    """Steps completed after the restored checkpoint and before the failure (work redone)."""
+    events: int = 1
+    """Failures merged into this interruption."""
 
     @property
-    def lost_iterations(self) -> int:
-        return max(0, self.step - self.restored_step)
+    def recovery_s(self) -> float | None:
+        """Failure until training resumed: the first step completed after the restore."""
+        return self.resume_s
 
-    @property
-    def recovery_s(self) -> float:
-        """Failure until training resumed (detect + restart + restore)."""
-        return self.detect_s + self.restart_s + self.restore_s
+
+def failure_stats(records: list[dict]) -> tuple[FailureStats, ...]:
+    """The interruptions of a run, from its event-log records (the driver's, in order). Pure."""
+    from cfdist.chaos.metrics import metrics_from_log
+
+    if not records:
+        return ()
+    m = metrics_from_log(records, iter_s=1.0)
+    return tuple(FailureStats(
+        kind=f.kind, step=f.step, restored_step=f.restored_step, tier=f.tier or "?", detect_s=f.detect_s,
+        restart_s=f.wait_s + f.restart_s, restore_s=f.restore_s,
+        world_size=(f.world_size or 0) if f.tier is not None else 0,
+        resume_s=f.resume_s, lost_iterations=f.lost_iters, events=f.events) for f in m.failures)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +70,7 @@ class FitResult:
     failures: int
     """Failures tolerated."""
     failure_stats: tuple[FailureStats, ...] = ()
+    """One per interruption (a failure during a recovery joins it), from the event log."""
     stall_share: float = 0.0
     """Rank 0's checkpoint stall as a share of its running time (0.02 = 2%): cfdist's own account
     of the waits inside ``ckpt.step``. Not the runtime overhead (it leaves out what the background
@@ -59,6 +83,10 @@ class FitResult:
     event_log: str | None = None
     world_sizes: tuple[int, ...] = ()
     """World size of each attempt, in order (elastic runs change it)."""
+    skipped_injections: tuple[dict, ...] = ()
+    """Scheduled failures that were not executed, each an event-log record with its ``reason``
+    (e.g. a preemption due while the job was already recovering). Retargeted ones (their target
+    was missing from a smaller group) are executed and logged as ``injection_retargeted``."""
     extra: dict = field(default_factory=dict)
 
     @property
@@ -76,8 +104,8 @@ class FitResult:
         return [f.lost_iterations for f in self.failure_stats]
 
     @property
-    def recovery_seconds(self) -> list[float]:
-        """Seconds from each failure until training resumed."""
+    def recovery_seconds(self) -> list[float | None]:
+        """Seconds from each failure until the first step completed after it (None: never resumed)."""
         return [f.recovery_s for f in self.failure_stats]
 
 

@@ -1,17 +1,24 @@
 """``RankWorker``: the body of one rank's Ray actor (one process per rank).
 
 The driver creates it pinned to a node, then calls, in order: :meth:`endpoint` (rank 0 hosts
-the rendezvous store), :meth:`join` on every rank at once (``torch.distributed`` init: gloo on
+the rendezvous store; a warm spare, created without a role, gets its ``RankInfo`` here), :meth:`join` on every rank at once (``torch.distributed`` init: gloo on
 CPU, NCCL on GPU), :meth:`run` (blocks for the whole training function). While ``run`` blocks,
 the actor serves :meth:`drain`, :meth:`notify` and :meth:`current_step` on other threads
 (``max_concurrency`` > 1), so the driver can follow progress and deliver notices.
+
+SIGTERM (a preempted machine shutting down) becomes an emergency ``ckpt.save()`` when the
+rank's recent commit latency fits ``sigterm_grace_s``; the rank exits once it committed (or the
+window passed). The handler is installed when the actor is built on its process's main thread
+(Python runs signal handlers there only); elsewhere Ray's own handler stays.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -20,11 +27,14 @@ import torch.distributed as dist
 
 from cfdist.cluster.context import RankInfo, TrainContext
 
+log = logging.getLogger("cfdist.worker")
+
 
 class RankWorker:
     """One rank. Plain class; the driver wraps it with ``ray.remote``."""
 
-    def __init__(self, info: RankInfo, *, use_gpu: bool, timeout_s: float, cpus: float):
+    def __init__(self, info: RankInfo | None, *, use_gpu: bool, timeout_s: float, cpus: float,
+                 sigterm_grace_s: float = 25.0):
         self.info = info
         self.use_gpu = use_gpu
         self.timeout = timedelta(seconds=timeout_s)
@@ -32,10 +42,60 @@ class RankWorker:
             torch.set_num_threads(max(1, int(cpus)))
         self.ctx: TrainContext | None = None
         self._store = None
+        self.sigterm_grace_s = sigterm_grace_s
+        self.sigterm_handled = False
+        self._training = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def endpoint(self) -> dict:
-        """This process's node id, IP and pid; on rank 0 also a fresh rendezvous store's port."""
+    def _on_sigterm(self, signum, frame) -> None:
+        """SIGTERM: checkpoint now if it can commit within the grace window, then exit. Runs on
+        the main thread; never blocks it (a helper thread waits for the commit)."""
+        ctx = self.ctx if self._training else None
+        save, reason = ctx._emergency_save(self.sigterm_grace_s) if ctx is not None else (False, "not training")
+        log.warning("rank %s got SIGTERM: %s", getattr(self.info, "rank", "?"),
+                    f"emergency checkpoint ({reason})" if save else f"exiting without a checkpoint ({reason})")
+        self.sigterm_handled = True
+        if not save:
+            raise SystemExit(1)
+        target = ctx._step + 1
+        writer = any(ck.writer for ck in ctx._ckpts)
+
+        def wait_then_exit():
+            deadline = time.time() + self.sigterm_grace_s
+            while time.time() < deadline and not (writer and ctx._latest_committed() >= target):
+                time.sleep(0.02)
+            os._exit(1)
+
+        threading.Thread(target=wait_then_exit, name="cfdist-sigterm", daemon=True).start()
+
+    def warm(self, train_fn=None) -> int:
+        """A spare (created with ``info=None``) gets ready for a role: imports what a rank needs;
+        ``train_fn`` (an object ref, resolved by Ray) imports the training function's modules.
+        Returns the pid."""
+        import cfdist  # noqa: F401
+        from cfdist.cluster import node_actor  # noqa: F401 - the ActorBackend of ctx.checkpointer
+
+        if not dist.is_initialized():
+            # A first DDP in a process imports ~800 modules (torch._dynamo, sympy, ...): seconds.
+            # Pay it now, on a private one-rank group, not after a failure.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                model(torch.zeros(1, 2)).sum().backward()
+                opt.step()
+            finally:
+                dist.destroy_process_group()
+        return os.getpid()
+
+    def endpoint(self, info: RankInfo | None = None) -> dict:
+        """This process's node id, IP and pid; on rank 0 also a fresh rendezvous store's port.
+        ``info``: the role of a warm spare (set before anything else)."""
         import ray
+
+        if info is not None:
+            self.info = info
 
         ip = ray.util.get_node_ip_address()
         out = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "pid": os.getpid(),
@@ -75,7 +135,11 @@ class RankWorker:
                                 policy=policy, keep=keep, restore_step=restore_step,
                                 restore_tier=restore_tier)
         t0 = time.perf_counter()
-        value = train_fn(self.ctx)
+        self._training = True
+        try:
+            value = train_fn(self.ctx)
+        finally:
+            self._training = False
         out = self.ctx._finish()
         out["seconds"] = time.perf_counter() - t0
         out["value"] = value if self.info.rank == 0 else None

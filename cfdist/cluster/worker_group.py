@@ -36,7 +36,7 @@ class RayWorkerGroup:
     """The ranks of one attempt. ``start()`` blocks until every rank runs the training function."""
 
     def __init__(self, *, config: FitConfig, nodes: list[NodeInfo], node_actors: list, tiers: list[dict],
-                 attempt: int, train_fn, policy, choice: RestoreChoice):
+                 attempt: int, train_fn, policy, choice: RestoreChoice, spares: dict | None = None):
         self.config = config
         self.nodes = nodes
         self.world_size = len(nodes) * config.workers_per_node
@@ -46,6 +46,13 @@ class RayWorkerGroup:
         self._train_fn = train_fn
         self._policy = policy
         self._choice = choice
+        self._spares = spares or {}
+        """``{node_id: [warm spare actors]}`` to take ranks from before creating new ones."""
+        self.reused = 0
+        """Ranks of this group that are warm spares (no process started for them)."""
+        self.phases: dict[str, float] = {}
+        """Seconds of each start phase: ``spawn`` (actors created / spares taken, endpoints
+        answered) and ``rendezvous`` (``torch.distributed`` initialised on every rank)."""
         self.workers: list = []
         self._endpoints: list[dict] = []
         self._refs: dict[int, ray.ObjectRef] = {}
@@ -57,22 +64,27 @@ class RayWorkerGroup:
         """Create the actors, rendezvous, launch ``run``; returns the seconds it took."""
         t0 = time.perf_counter()
         w = self.config.workers_per_node
+        infos = []
         for i, node in enumerate(self.nodes):
+            spares = self._spares.get(node.node_id, [])
             for j in range(w):
                 info = RankInfo(rank=i * w + j, world_size=self.world_size, local_rank=j, local_world_size=w,
                                 node_rank=i, num_nodes=len(self.nodes), attempt=self.attempt)
-                self.workers.append(_RemoteWorker.options(
-                    num_cpus=self.config.cpus_per_worker,
-                    num_gpus=1 if self.config.use_gpu else 0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-                    max_concurrency=4, max_restarts=0, name=None,
-                ).remote(info, use_gpu=self.config.use_gpu, timeout_s=self.config.rendezvous_timeout_s,
-                         cpus=self.config.cpus_per_worker))
+                if spares:
+                    self.workers.append(spares.pop(0))
+                    infos.append(info)   # a spare learns its role with endpoint()
+                    self.reused += 1
+                    continue
+                self.workers.append(new_rank_actor(self.config, node.node_id, info))
+                infos.append(None)
         timeout = self.config.rendezvous_timeout_s
-        self._endpoints = ray.get([wk.endpoint.remote() for wk in self.workers], timeout=timeout)
+        self._endpoints = ray.get([wk.endpoint.remote(info) for wk, info in zip(self.workers, infos)],
+                                  timeout=timeout)
+        t1 = time.perf_counter()
         host, port = self._endpoints[0]["ip"], self._endpoints[0]["port"]
         ray.get([wk.join.remote(host, port) for wk in self.workers], timeout=timeout)
-        fn_ref = ray.put(self._train_fn)
+        self.phases = {"spawn": t1 - t0, "rendezvous": time.perf_counter() - t1}
+        fn_ref = self._train_fn if isinstance(self._train_fn, ray.ObjectRef) else ray.put(self._train_fn)
         for rank, wk in enumerate(self.workers):
             node_rank = rank // w
             self._refs[rank] = wk.run.remote(
@@ -105,7 +117,8 @@ class RayWorkerGroup:
             rank = by_ref[ref]
             try:
                 self._results[rank] = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+                # the process is gone (crashed, its node lost, or killed by Ray's memory monitor)
                 self._errors.append(RankError(rank, self._node_of(rank), True, _short(e)))
             except ray.exceptions.RayTaskError as e:
                 self._errors.append(RankError(rank, self._node_of(rank), False, _short(e)))
@@ -155,6 +168,10 @@ class RayWorkerGroup:
     def crash(self, rank: int, timeout_s: float = 10.0) -> None:
         """SIGKILL the rank's process (from inside it: works on any node); returns once Ray saw
         the process die (or after ``timeout_s``)."""
+        from cfdist.cluster.quiet import expect_death
+
+        if rank < len(self._endpoints):
+            expect_death(self._endpoints[rank]["pid"])
         ref = self.workers[rank].crash.remote()
         try:
             ray.get(ref, timeout=timeout_s)
@@ -163,11 +180,27 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every rank's process (no restart). Safe to call twice."""
+        from cfdist.cluster.quiet import expect_death
+
+        expect_death(*self.pids())
         for wk in self.workers:
             try:
                 ray.kill(wk, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
+
+
+def new_rank_actor(config: FitConfig, node_id: str, info: RankInfo | None):
+    """A rank's actor pinned to ``node_id``; ``info=None``: a warm spare (no CPUs reserved, no
+    GPU: it holds nothing while it waits for a role)."""
+    spare = info is None
+    return _RemoteWorker.options(
+        num_cpus=0 if spare else config.cpus_per_worker,
+        num_gpus=1 if config.use_gpu and not spare else 0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        max_concurrency=4, max_restarts=0, name=None,
+    ).remote(info, use_gpu=config.use_gpu, timeout_s=config.rendezvous_timeout_s, cpus=config.cpus_per_worker,
+             sigterm_grace_s=config.sigterm_grace_s)
 
 
 def _short(e: BaseException) -> str:

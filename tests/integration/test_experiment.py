@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from cfdist.chaos.experiment import ExperimentConfig, run_experiment
+from cfdist.experiments.experiment import ExperimentConfig, run_experiment
 
 STEPS = 240
 MTBF_S = 6.5

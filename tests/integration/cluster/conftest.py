@@ -16,11 +16,12 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import signal
 import sys
 import tempfile
 
 import pytest
+
+from cfdist.cluster.local_cluster import kill_node
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -48,16 +49,7 @@ class FakeCluster:
     def remove_node(self, node_id: str) -> None:
         """SIGKILL every process of a worker node at once (its workers and actors first, then its
         raylet and agents): a machine that vanished, not one shutting down."""
-        from ray._private import ray_constants
-
-        node = self.nodes.pop(node_id)
-        raylets = [p.process.pid for p in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
-        for pid in _descendants(raylets):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.cluster.remove_node(node, allow_graceful=False)
+        kill_node(self.cluster, self.nodes.pop(node_id))
 
     def ensure_workers(self, n: int) -> list[str]:
         """Exactly ``n`` worker nodes alive (adds or removes); returns their ids."""
@@ -67,25 +59,6 @@ class FakeCluster:
             self.remove_node(next(iter(self.nodes)))
         self.cluster.wait_for_nodes()
         return list(self.nodes)
-
-
-def _descendants(roots: list[int]) -> list[int]:
-    """Pids of all descendants of ``roots`` (from /proc; no psutil needed)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], list(roots)
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 @pytest.fixture(scope="module")

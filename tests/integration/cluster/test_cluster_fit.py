@@ -20,6 +20,7 @@ import glob
 import json
 
 import pytest
+import ray
 import ray.cloudpickle
 import torch
 
@@ -139,3 +140,49 @@ def test_elastic_shrink_then_grow_keeps_data_exactly_once(fake_cluster, tmp_path
     assert result.final_step == 40
     used = check_exactly_once(str(out), 40)
     assert len(used) >= 2
+
+
+@pytest.fixture
+def no_ray(fake_cluster):
+    """This test's driver is not connected to Ray (the module's fake cluster keeps running and
+    is reconnected afterwards), as in a fresh ``python train.py`` without ``RAY_ADDRESS``."""
+    ray.shutdown()
+    try:
+        yield
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        ray.init(address=fake_cluster.cluster.address, include_dashboard=False, logging_level="WARNING")
+
+
+def test_fit_on_one_machine_starts_simulated_nodes_and_every_failure_lands(no_ray, reference, tmp_path, monkeypatch):
+    """``cfdist.fit(num_nodes=2, ...)`` with no Ray and no ``RAY_ADDRESS``: it starts two simulated
+    Ray nodes (``ray.cluster_utils.Cluster``; each its own local-disk directory, ``/{node}``
+    appended to ``storage``) and says so in the event log. A time-based schedule (a crash, then
+    a preemption that removes a whole simulated node and brings a fresh one) lands in full: no
+    injection is skipped. The point: the run ends bit-identical to the failure-free run, with at
+    most k iterations lost per failure. Real: Ray, processes, SIGKILL, gloo, files. Faked: the
+    machines (simulated nodes on this host)."""
+    from cfdist.chaos import FixedInterval, Merged
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    sched = Merged((FixedInterval(3600.0, first_s=1.5, kind="crash", ranks_per_node=1, seed=1),
+                    FixedInterval(3600.0, first_s=3.0, kind="preempt", seed=2)))   # one of each
+    out = tmp_path / "sim-samples"
+    out.mkdir()
+    loop = functools.partial(train_loop, steps=STEPS, out_dir=str(out), every=EVERY, step_sleep_s=0.25)
+    result = fit(loop, num_nodes=2, workers_per_node=1, storage=f"file://{tmp_path}/disk",
+                 policy=Every(EVERY), preemption=sched, run_name="sim", progress=False,
+                 event_log=str(tmp_path / "sim.jsonl"), max_failures=6)
+    recs = _records(tmp_path / "sim.jsonl")
+    (cl,) = [r for r in recs if r["event"] == "cluster"]
+    assert cl["simulated"] and cl["nodes"] == 2 and cl["storage"] == [f"file://{tmp_path}/disk/{{node}}"]
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir())[:2] == ["n0", "n1"]
+    assert [r["kind"] for r in recs if r["event"] == "failure" and r.get("injected")] == ["crash", "preempt"]
+    assert result.skipped_injections == () and result.failures >= 2
+    assert all(n <= EVERY for n in result.lost_iterations), result.lost_iterations
+    assert all(s is not None and s > 0 for s in result.recovery_seconds)
+    assert set(result.world_sizes) == {2}
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+    assert not ray.is_initialized()   # fit stopped the nodes it started

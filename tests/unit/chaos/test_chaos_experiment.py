@@ -12,7 +12,7 @@ import types
 import pytest
 from chaos_eventlog import started
 
-from cfdist.chaos.experiment import (
+from cfdist.experiments.experiment import (
     ExperimentConfig, FirstFailures, analyse, build_schedule, make_policy, main, sim_policy,
 )
 from cfdist.chaos.report import markdown, write_report

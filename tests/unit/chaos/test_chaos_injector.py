@@ -146,17 +146,19 @@ def test_a_slot_that_is_down_is_not_preempted_again_and_returns_once(killed):
     assert ctl.events.of("injection_skipped")[-1]["kind"] == "return"
 
 
-def test_preempt_while_recovering_is_skipped_and_so_is_its_return(killed):
+def test_preempt_due_while_recovering_lands_when_the_next_group_runs(killed):
     added, removed = [], []
     inj, ctl, group, backend, at = _setup(
         [FailureEvent(time_s=1.0, kind="preempt", node=1), FailureEvent(time_s=1.5, kind="return", node=1)],
         remove_node=removed.append, add_node=added.append)
     ctl.state = RecoveringState()
     at(1.0)
+    at(1.2)
+    assert removed == [] and len(ctl.events.of("injection_deferred")) == 1   # logged once
     ctl.state = RunningState(group)
     at(1.5)
-    assert removed == [] and added == []   # no node taken, so no extra node added
-    assert [s["kind"] for s in ctl.events.of("injection_skipped")] == ["preempt", "return"]
+    assert removed == ["id1"] and added == [1]   # it landed, then its return came
+    assert ctl.events.of("injection_skipped") == []
 
 
 def test_remove_and_add_hooks_replace_the_node(killed):

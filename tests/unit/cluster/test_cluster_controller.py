@@ -253,3 +253,16 @@ def test_commits_are_logged_once_per_step_and_tier_in_time_order():
     assert order == [("step", 4), ("checkpoint_committed", 4), ("step", 5)]
     ts = [r["t"] for r in ev.records]
     assert ts == sorted(ts)
+
+
+def test_a_cloud_notice_flags_the_node_and_takes_an_emergency_checkpoint_when_it_fits():
+    clock = Clock()
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1001, 1)]), GroupStatus(records=[step_rec(1002, 2)]),
+                              GroupStatus(finished=True, results={0: {"final_step": 2}})]])
+    notices = [[], [{"node_id": N[1].node_id, "source": "aws", "deadline": clock.t + 120.0, "detail": "x"}]]
+    be.drain_notices = lambda: notices.pop(0) if notices else []
+    ctl, ev = make(be, clock)
+    drive(ctl)
+    (n,) = ev.of("notice")
+    assert n["node"] == 1 and n["source"] == "aws" and n["save"] and 119 < n["window_s"] <= 120
+    assert be.groups[0][0].notified == [((1,), True)]

@@ -110,7 +110,7 @@ def test_preempt_uses_the_callbacks_when_given():
     assert removed == ["id0"] and added == [0]
 
 
-def test_time_schedule_starts_when_the_group_runs_and_skips_crashes_without_a_group():
+def test_time_schedule_starts_when_the_group_runs_and_holds_crashes_until_a_group_runs():
     clock = Clock()
     ctl = Ctl(clock)
     ctl.state = RecoveringState()
@@ -128,8 +128,12 @@ def test_time_schedule_starts_when_the_group_runs_and_skips_crashes_without_a_gr
     assert len(ctl.group.crashed) == 1
     ctl.state = RecoveringState()
     clock.t = 121.0
-    inj.tick(ctl)
-    assert len(ctl.group.crashed) == 1 and ctl.events.of("injection_skipped")
+    inj.tick(ctl)                  # due while recovering: held
+    assert len(ctl.group.crashed) == 1 and ctl.events.of("injection_deferred")
+    ctl.state = RunningState(ctl.group)
+    clock.t = 121.5
+    inj.tick(ctl)                  # lands once a group runs again
+    assert len(ctl.group.crashed) == 2 and not ctl.events.of("injection_skipped")
 
 
 def test_schedule_arguments_are_checked():
@@ -139,3 +143,51 @@ def test_schedule_arguments_are_checked():
         AtStep(step=3, kind="crash")
     with pytest.raises(ValueError, match="step"):
         AtStep(step=0, kind="crash", rank=0)
+
+
+def test_a_target_missing_from_a_smaller_group_is_retargeted_and_logged(killed):
+    """Elastic group of one node: a crash of rank 1 hits rank 0, a preemption of slot 1 takes
+    slot 0; both say so in the event log; nothing is skipped silently."""
+    clock = Clock()
+    ctl = Ctl(clock)
+    ctl.group.nodes, ctl.group.world_size = [NODES[0]], 1
+    backend = Backend()
+    backend.actors, backend.tiers = {"id0": "node-actor0"}, {"id0": {}}
+    inj = FailureInjector(StepSchedule([AtStep(step=1, kind="crash", rank=1), AtStep(step=2, kind="preempt", node=1)]),
+                          num_nodes=2, backend=backend, clock=clock)
+    ctl.step_now = 1
+    inj.tick(ctl)
+    assert ctl.group.crashed == [0]
+    ctl.step_now = 2
+    inj.tick(ctl)
+    assert killed == ["actor0", "node-actor0"] and backend.excluded == {"id0"}
+    moved = ctl.events.of("injection_retargeted")
+    assert [(r["kind"], r.get("rank", r.get("node"))) for r in moved] == [("crash", 0), ("preempt", 0)]
+    assert "rank 1 is not in the running group (1 ranks)" in moved[0]["reason"]
+    assert [f["kind"] for f in ctl.events.of("failure")] == ["crash", "preempt"]
+    assert ctl.events.of("injection_skipped") == []
+
+
+def test_one_failure_is_held_for_the_next_group_until_it_trains_and_more_are_skipped():
+    """Recovery slower than the schedule: the first failure due meanwhile waits for the next group
+    to train a step (no livelock of groups killed at birth); the second is skipped with a reason."""
+    clock = Clock()
+    ctl = Ctl(clock)
+    inj = FailureInjector(FixedInterval(10.0, kind="crash", ranks_per_node=1, seed=0), num_nodes=2,
+                          backend=Backend(), clock=clock, horizon_s=35)
+    clock.t = 100.0
+    inj.tick(ctl)                          # t0 = 100
+    ctl.state = RecoveringState()
+    for t in (110.5, 120.5):               # both due while recovering
+        clock.t = t
+        inj.tick(ctl)
+    assert len(ctl.events.of("injection_deferred")) == 1
+    (skip,) = ctl.events.of("injection_skipped")
+    assert "already held for the next group" in skip["reason"]
+    ctl.state, ctl._attempt_base, ctl.step_now = RunningState(ctl.group), 40, 40
+    clock.t = 121.0
+    inj.tick(ctl)
+    assert ctl.group.crashed == []         # the new group has not trained yet
+    ctl.step_now = 41
+    inj.tick(ctl)
+    assert len(ctl.group.crashed) == 1

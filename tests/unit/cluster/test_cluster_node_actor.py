@@ -166,6 +166,50 @@ def test_memory_tier_never_accumulates_epoch_ends(actors):
 
 
 @pytest.mark.parametrize("shared", ["file"], indirect=True)
+def test_memory_every_step_keeps_disk_at_the_policys_interval_and_the_end_reaches_disk(actors):
+    """``memory_every=1`` (``MemoryEvery(Every(4), 1)``): every step is committed to the memory
+    tier, only every 4th to the local disk; at the end, the newest memory step is copied to disk."""
+    from cfdist.cluster.node_actor import ActorBackend
+    from cfdist.policy.memory import MemoryEvery
+
+    a, _ = actors
+    a.begin_attempt(0, shared_writer=False)
+    tiers = a.ready()
+    policy = MemoryEvery(cfdist.Every(4), every=1)
+    to_disk = ActorBackend(None, 0, policy)    # the decision the real backend sends with each job
+    m, opt = _state()
+
+    class Backend(InProcess):
+        def submit(self, job):
+            return FuturePending(self.ex.submit(self.actor.persist, job, self.attempt, to_disk.policy.to_disk(job.step)),
+                                 job.step)
+
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, tiers["memory"], policy, writer=True,
+                             backend=Backend(a), restore_from=tiers["local"], keep=1)
+    _train(ck, m, opt, 10)
+    ck.close()
+    commits = {(e["step"], e["tier"]) for e in a.drain_events()}
+    assert {s for s, t in commits if t == "memory"} == set(range(1, 11))
+    assert {s for s, t in commits if t == "local"} == {4, 8}
+    assert a.holdings()["memory"] == [10] and a.holdings()["local"] == [8]
+    assert a.flush_local() == 10 and a.holdings()["local"] == [8, 10]   # the actor keeps 2 (FitConfig.keep)
+    assert torch.equal(cfdist.load(tiers["local"][0], 10)["state"]["model"]["weight"], m.weight.detach())
+
+
+@pytest.mark.parametrize("every, disk_k, want_memory, want_disk", [
+    (1, 4, list(range(1, 9)), [4, 8]),
+    (2, 3, [2, 3, 4, 6, 8], [3, 6]),
+])
+def test_memory_every_decisions(every, disk_k, want_memory, want_disk):
+    from cfdist.policy.memory import MemoryEvery
+
+    p = MemoryEvery(cfdist.Every(disk_k), every=every)
+    took = [s for s in range(1, 9) if p.should_checkpoint(s)]
+    assert took == want_memory and [s for s in took if p.to_disk(s)] == want_disk
+    assert p.k == disk_k and p.mode == "cpu"          # the wrapped policy's attributes
+    with pytest.raises(ValueError, match="memory_every must be an int >= 1"):
+        MemoryEvery(cfdist.Every(2), every=0)
+
 def test_the_actor_encodes_and_a_chain_travels_whole_to_shared_storage_and_peers(actors, shared):
     """Codecs run in the actor (the job carries them, not the training process); an increment
     copied to the shared tier or to a peer brings the checkpoints it depends on."""

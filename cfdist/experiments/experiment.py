@@ -2,14 +2,14 @@
 
 ::
 
-    cfdist experiment --out cfdist-runs/experiment            # or: python -m cfdist.chaos.experiment
+    cfdist experiment --out cfdist-runs/experiment            # or: python -m cfdist.experiments.experiment
 
-    from cfdist.chaos.experiment import ExperimentConfig, run_experiment
+    from cfdist.experiments.experiment import ExperimentConfig, run_experiment
     res = run_experiment(ExperimentConfig(out_dir="cfdist-runs/exp", mtbf_s=8.0))
     print(res.run("auto").measured.goodput, res.run("auto").prediction.relative_error)
 
 For each policy (default: the epoch-boundary baseline ``EveryEpoch``, ``Every(10)``, ``Auto`` and
-the failure-aware ``Auto(mtbf_s=...)``) the small job of :mod:`cfdist.chaos.workload` runs under
+the failure-aware ``Auto(mtbf_s=...)``) the small job of :mod:`cfdist.experiments.workload` runs under
 ``cfdist.fit`` on Ray while the failure injector executes the schedule (rank crashes, node
 preemptions with notice and their return), after one failure-free run that sets goodput's
 yardstick. Each run's event log is then measured (:mod:`cfdist.chaos.metrics`), the simulator is
@@ -19,7 +19,7 @@ given the costs measured over all runs and replays every policy under the same s
 simulated, lost work per failure, recovery time by phase).
 
 Without ``ray_address`` (and with no Ray initialised in the process) the runs use a fake
-``num_nodes``-node cluster on this machine (:class:`~cfdist.chaos.local_cluster.LocalCluster`),
+``num_nodes``-node cluster on this machine (:class:`~cfdist.cluster.local_cluster.LocalCluster`),
 started once for all runs. The schedule's clock starts when a run's first worker group runs.
 
 This module is an entry point: it imports :func:`cfdist.fit` (and so Ray) lazily, inside
@@ -134,6 +134,9 @@ class ExperimentConfig:
     """Show ``cfdist.fit``'s progress bar during each run (the experiment prints one line per run anyway)."""
     keep_checkpoints: bool = False
     """Keep each run's checkpoint directories (default: deleted after the run; logs are kept)."""
+    memory_every: int | None = None
+    """``cfdist.fit(memory_every=...)`` for every policy's run: a memory snapshot every n steps
+    (a crash loses at most n iterations), disk at the policy's interval. None: off."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.out_dir, str) and self.out_dir):
@@ -150,6 +153,8 @@ class ExperimentConfig:
         for name in ("steps", "epoch_steps", "batch_size", "num_nodes", "workers_per_node"):
             _int(name, getattr(self, name))
         _int("max_failures", self.max_failures, minimum=0)
+        if self.memory_every is not None:
+            _int("memory_every", self.memory_every, hint=" or None")
         if self.baseline_steps is not None:
             _int("baseline_steps", self.baseline_steps, minimum=3, hint=" or None for steps")
         if self.max_scheduled is not None:
@@ -273,14 +278,14 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
     """Run the baseline and every policy, measure, simulate, write the report; return it all.
 
     Blocks for the whole experiment (about ``steps * step_s`` plus recoveries, per run). Call
-    from a driver process. ``cluster``: a started :class:`~cfdist.chaos.local_cluster.LocalCluster`
+    from a driver process. ``cluster``: a started :class:`~cfdist.cluster.local_cluster.LocalCluster`
     to reuse (needed for ``node_loss="remove"`` when Ray is already initialised); otherwise one is
     started and stopped here unless ``ray_address`` is set or Ray is already initialised.
     Raises :class:`ExperimentError` if a run gives up.
     """
     import ray
 
-    from cfdist.chaos.local_cluster import LocalCluster
+    from cfdist.cluster.local_cluster import LocalCluster
 
     out = os.path.abspath(config.out_dir)
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
@@ -325,7 +330,7 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
 
 def _run_one(config: ExperimentConfig, name: str, spec: str | None, schedule, cluster, out: str):
     from cfdist.api import fit
-    from cfdist.chaos.workload import train_loop
+    from cfdist.experiments.workload import train_loop
     from cfdist.cluster.result import FitError
     from cfdist.policy import Every
 
@@ -348,7 +353,8 @@ def _run_one(config: ExperimentConfig, name: str, spec: str | None, schedule, cl
                    storage=f"file://{ckpt_dir}/{{node}}", policy=policy, preemption=schedule,
                    max_failures=config.max_failures, run_name=run, total_steps=steps,
                    progress=config.progress, event_log=event_log, min_nodes=config.num_nodes,
-                   cpus_per_worker=1, wait_for_nodes_s=max(120.0, 10 * config.return_after_s), **hooks)
+                   cpus_per_worker=1, wait_for_nodes_s=max(120.0, 10 * config.return_after_s),
+                   memory_every=config.memory_every if spec is not None else None, **hooks)
     except FitError as e:
         raise ExperimentError(
             f"the {name!r} run did not finish: {e}. Its event log is {event_log}. Give it more room "
@@ -446,6 +452,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-failures", type=int, default=d.max_failures, help="per run (default %(default)s)")
     p.add_argument("--progress", action="store_true", help="show each run's progress bar")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints")
+    p.add_argument("--memory-every", type=int, default=None,
+                   help="memory snapshot every N steps, disk at the policy's interval (default: off)")
 
 
 def config_from_args(a: argparse.Namespace) -> ExperimentConfig:
@@ -457,7 +465,7 @@ def config_from_args(a: argparse.Namespace) -> ExperimentConfig:
         seed=a.seed, max_scheduled=a.max_scheduled, overhead_budget=a.budget, baseline=not a.no_baseline,
         baseline_steps=a.baseline_steps, node_loss=a.node_loss,
         ray_address=a.address or os.environ.get("RAY_ADDRESS") or None, max_failures=a.max_failures,
-        progress=a.progress, keep_checkpoints=a.keep_checkpoints)
+        progress=a.progress, keep_checkpoints=a.keep_checkpoints, memory_every=a.memory_every)
 
 
 def _cli(a: argparse.Namespace) -> int:
@@ -483,7 +491,7 @@ def register(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m cfdist.chaos.experiment [options]``."""
+    """``python -m cfdist.experiments.experiment [options]``."""
     p = argparse.ArgumentParser(prog="cfdist experiment", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return _cli(p.parse_args(argv))

@@ -1,14 +1,19 @@
-"""A fake multi-node Ray cluster on this machine, for experiments (``ray.cluster_utils.Cluster``).
+"""Simulated Ray nodes on this machine (``ray.cluster_utils.Cluster``), for local runs and experiments.
 
 A head node with no CPUs (the driver lives there; no rank is placed on it) and ``num_nodes``
 worker nodes with ``cpus_per_node`` CPUs each, every one labelled ``cfdist-node=<name>`` so that
 ``storage="file://<dir>/{node}"`` gives each node its own "local disk". Names never repeat: a
 node added to replace a removed one starts with an empty disk and an empty memory tier, as a
-fresh VM would.
+fresh VM would. ``cfdist.fit`` starts one when it runs on one machine without ``RAY_ADDRESS``;
+``cfdist experiment`` starts one for all its runs.
 
 Ray's sockets and logs go under a short private ``RAY_TMPDIR``, so this cluster never attaches to
 another Ray instance on the machine (nor it to this one); gloo talks over the loopback interface
-(``GLOO_SOCKET_IFNAME=lo``), as every rank is on this machine. Call from the driver process, one thread::
+(``GLOO_SOCKET_IFNAME=lo``), as every rank is on this machine. Unless ``RAY_AUTH_MODE`` is set,
+the cluster uses token authentication with a fresh random token (in the environment of this
+process and its children only): nothing else on the machine can submit work to it, and Ray
+has nothing to warn about. A lost node is declared dead after ~3 s of failed health checks.
+Call from the driver process, one thread::
 
     with LocalCluster(num_nodes=2) as lc:          # ray.init() done, torn down at exit
         cfdist.fit(..., remove_node=lc.remove_node, add_node=lc.add_node)
@@ -20,27 +25,38 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import uuid
 
 _OBJECT_STORE = 80 * 1024 * 1024
+_FAST_HEALTH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000,
+                "health_check_failure_threshold": 3}
+"""A lost node is declared dead after ~3 s of failed health checks (Ray's default: ~15 s); a
+check may take 2 s, so a busy machine's raylet is not declared dead by mistake."""
 
 
 class LocalCluster:
     """Start with ``start()`` (or ``with``); ``close()`` stops only this cluster's processes."""
 
-    def __init__(self, *, num_nodes: int = 2, cpus_per_node: int = 1):
+    def __init__(self, *, num_nodes: int = 2, cpus_per_node: int = 1, log_to_driver: bool = False):
         if not (isinstance(num_nodes, int) and num_nodes >= 1):
             raise ValueError(f"LocalCluster(num_nodes={num_nodes!r}) needs an int >= 1")
         if not (isinstance(cpus_per_node, int) and cpus_per_node >= 1):
             raise ValueError(f"LocalCluster(cpus_per_node={cpus_per_node!r}) needs an int >= 1 (ranks need a CPU)")
         self.num_nodes = num_nodes
         self.cpus_per_node = cpus_per_node
+        self.log_to_driver = log_to_driver
         self.cluster = None
         self.nodes: dict[str, object] = {}   # node id -> ray._private.node.Node
         self.names: dict[str, str] = {}      # node id -> cfdist-node label
         self._counter = itertools.count()
         self._tmp: str | None = None
         self._env: dict[str, str | None] = {}
+
+    def _setenv(self, key: str, value: str) -> None:
+        self._env.setdefault(key, os.environ.get(key))
+        os.environ[key] = value
 
     def start(self) -> "LocalCluster":
         """Start the head and the worker nodes, then ``ray.init`` this process into the cluster."""
@@ -49,19 +65,22 @@ class LocalCluster:
 
         if ray.is_initialized():
             raise RuntimeError("ray is already initialised in this process; shut it down (ray.shutdown()) "
-                               "or run the experiment on that cluster instead of a LocalCluster")
+                               "or run on that cluster instead of a LocalCluster")
         self._tmp = tempfile.mkdtemp(prefix="cfx-", dir="/tmp")   # short: Unix socket paths are limited
-        for key, value in (("RAY_TMPDIR", self._tmp), ("GLOO_SOCKET_IFNAME", "lo"),
-                           ("RAY_DEDUP_LOGS", "0")):
-            self._env[key] = os.environ.get(key)
-            os.environ[key] = value
+        for key, value in (("RAY_TMPDIR", self._tmp), ("GLOO_SOCKET_IFNAME", "lo"), ("RAY_DEDUP_LOGS", "0")):
+            self._setenv(key, value)
+        if "RAY_AUTH_MODE" not in os.environ:
+            self._setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
+            self._setenv("RAY_AUTH_MODE", "token")
+            _refresh_ray_config()
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-                num_cpus=0, include_dashboard=False, object_store_memory=_OBJECT_STORE))
+                num_cpus=0, include_dashboard=False, object_store_memory=_OBJECT_STORE,
+                _system_config=_FAST_HEALTH))
             for _ in range(self.num_nodes):
                 self.add_node()
             self.cluster.wait_for_nodes()
-            ray.init(address=self.cluster.address, include_dashboard=False, log_to_driver=False,
+            ray.init(address=self.cluster.address, include_dashboard=False, log_to_driver=self.log_to_driver,
                      logging_level=logging.WARNING)
         except BaseException:
             self.close()
@@ -78,12 +97,16 @@ class LocalCluster:
         return node.node_id
 
     def remove_node(self, node_id: str) -> None:
-        """Kill a worker node's processes (its raylet, workers, actors): a lost machine."""
+        """SIGKILL every process of a worker node at once (its workers and actors first, then its
+        raylet and agents): a machine that vanished, not one shutting down."""
         node = self.nodes.pop(node_id, None)
         if node is None:
             raise KeyError(f"node {node_id[:8]} is not a live worker node of this LocalCluster "
                            f"(live: {[n[:8] for n in self.nodes]})")
-        self.cluster.remove_node(node, allow_graceful=False)
+        from cfdist.cluster.quiet import expect_node_death
+
+        expect_node_death(node_id)
+        kill_node(self.cluster, node)
 
     def close(self) -> None:
         """``ray.shutdown()``, stop every node of this cluster, remove its temp dir. Safe twice."""
@@ -94,12 +117,15 @@ class LocalCluster:
         if self.cluster is not None:
             self.cluster.shutdown()
             self.cluster = None
+        auth = "RAY_AUTH_MODE" in self._env
         for key, value in self._env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         self._env = {}
+        if auth:
+            _refresh_ray_config()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -109,3 +135,44 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _refresh_ray_config() -> None:
+    """Make this process's Ray see a changed ``RAY_AUTH_MODE`` (Ray caches its config; its own
+    token setup refreshes it the same way)."""
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+def kill_node(cluster, node) -> None:
+    """SIGKILL every process of ``node`` of a ``ray.cluster_utils.Cluster`` at once (its workers
+    and actors first, then its raylet and agents) and drop it from ``cluster``."""
+    from ray._private import ray_constants
+
+    raylets = [p.process.pid for p in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
+    for pid in descendants(raylets):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """Pids of all descendants of ``roots`` (from /proc; no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], list(roots)
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out

@@ -1,0 +1,46 @@
+"""``MemoryEvery``: a two-tier decision - a memory snapshot every ``every`` steps, disk at the
+wrapped policy's steps (Gemini-style per-iteration in-memory checkpoints).
+
+A crashed worker then loses at most ``every`` iterations (the node's memory tier survives it),
+while disk and shared storage are written only as often as the wrapped policy (``Auto``'s k)
+finds worth its cost. Pure: :meth:`should_checkpoint` is a decision from the step number and the
+wrapped policy's; :meth:`to_disk` answers for a step it decided. Every attribute it does not
+define (``k``, ``mode``, ``bind``, ``observe``, ``sync_payload``, ...) is the wrapped policy's,
+so the Checkpointer and the DDP sync hook see the wrapped policy.
+"""
+
+from __future__ import annotations
+
+
+class MemoryEvery:
+    """``MemoryEvery(Auto(), every=1)``; used by ``cfdist.fit(memory_every=...)``."""
+
+    def __init__(self, policy, every: int = 1):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"memory_every must be an int >= 1 (steps between memory snapshots), got {every!r}")
+        if isinstance(policy, MemoryEvery):
+            policy = policy.policy
+        self.policy = policy
+        self.every = every
+        self._disk: set[int] = set()
+
+    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
+        """True every ``every`` steps and at the wrapped policy's steps (called once per step)."""
+        disk = bool(self.policy.should_checkpoint(step, epoch_end=epoch_end))
+        if disk:
+            self._disk.add(step)
+            if len(self._disk) > 64:
+                self._disk.discard(min(self._disk))
+        return disk or step % self.every == 0
+
+    def to_disk(self, step: int) -> bool:
+        """Whether ``step``'s checkpoint also goes to disk (the wrapped policy chose it)."""
+        return step in self._disk
+
+    def __getattr__(self, name):
+        if name in ("policy", "every", "_disk"):   # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.policy, name)
+
+    def __repr__(self) -> str:
+        return f"MemoryEvery({self.policy!r}, every={self.every})"
