@@ -31,7 +31,9 @@ import torch
 from cfdist.checkpoint import discovery, state as st
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
-from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
+from cfdist.checkpoint.persist import (
+    PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend, declare_timeout,
+)
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement
 from cfdist.storage import open_storages
@@ -53,12 +55,22 @@ class CheckpointerConfig:
     """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
     verify: bool = True
     """Check every tensor's checksum on restore."""
+    persist_timeout_s: float | None = None
+    """Give a persist up after this many seconds (a hung disk or object store): it counts as
+    failed (``stats``, log, ``wait()``), its writer can no longer commit it, training goes on,
+    and the next checkpoint is written by a fresh writer into fresh snapshot buffers (the hung
+    writer keeps the old ones: one state's size of host memory per hung write). None: wait
+    forever. Applies to the ``"thread"`` and ``"process"`` backends."""
 
     def __post_init__(self):
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ValueError(f"keep must be an int >= 1 (newest checkpoints to keep), got {self.keep!r}")
         if self.backend not in ("thread", "process"):
             raise ValueError(f"backend must be 'thread' or 'process', got {self.backend!r}")
+        t = self.persist_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"persist_timeout_s must be a number of seconds > 0, or None to wait forever; "
+                             f"got {t!r}")
 
 
 def _default_policy():
@@ -99,6 +111,8 @@ class Checkpointer:
         restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
             e.g. an in-memory tier before and a shared tier after the node-local one.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        persist_timeout_s: give a hung persist up after this many seconds (see
+            :class:`CheckpointerConfig`); default: wait forever.
     """
 
     Config = CheckpointerConfig
@@ -106,10 +120,11 @@ class Checkpointer:
     def __init__(self, state: dict, storage, policy=None, *, keep: int = 1, keep_epoch_ends: bool = True,
                  rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
                  backend: str | PersistBackend = "thread", restore_from=None,
-                 storage_options: dict | None = None, verify: bool = True):
+                 storage_options: dict | None = None, verify: bool = True,
+                 persist_timeout_s: float | None = None):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
-                                         verify=verify)
+                                         verify=verify, persist_timeout_s=persist_timeout_s)
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
@@ -289,11 +304,7 @@ class Checkpointer:
         if self._snap_host_future is not None:
             self._snap_host_future.result()
         self._try_submit()
-        if self._inflight is not None:
-            try:
-                self._inflight.wait()
-            except BaseException:
-                pass
+        self._wait_inflight()
         self._harvest()
         err, self._error = self._error, None
         if err is not None:
@@ -346,11 +357,7 @@ class Checkpointer:
         if self._snap_host_future is not None:
             self._snap_host_future.result()
         self._try_submit()
-        if self._inflight is not None and not self._inflight.done():
-            try:
-                self._inflight.wait()   # one persist in flight; its arenas are about to be reused
-            except BaseException:
-                pass
+        self._wait_inflight()   # one persist in flight; its arenas are about to be reused
         self._harvest()
         stall += time.perf_counter() - t0
         early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
@@ -422,8 +429,50 @@ class Checkpointer:
                   "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url, e,
                   self.latest_step)
 
+    def _wait_inflight(self) -> None:
+        """Block until the in-flight persist finished or, past ``persist_timeout_s``, was given up.
+
+        Its error is not raised here: :meth:`_harvest` records it.
+        """
+        p, t = self._inflight, self.config.persist_timeout_s
+        if p is None:
+            return
+        if t is not None and getattr(p, "submitted", None) is not None:
+            while not p.done():
+                left = t - (time.monotonic() - p.submitted)
+                if left <= 0:
+                    if self._expire_inflight():
+                        return
+                    break   # past its commit point (or not abandonable): wait it out
+                try:
+                    p.wait(left)
+                except Exception:  # noqa: BLE001 - the persist's own error is recorded by _harvest
+                    pass
+            if p.done():
+                return
+        try:
+            p.wait()
+        except Exception:  # noqa: BLE001 - recorded by _harvest
+            pass
+
+    def _expire_inflight(self) -> bool:
+        """Give the in-flight persist up if it ran past ``persist_timeout_s``; True if it was."""
+        p, t = self._inflight, self.config.persist_timeout_s
+        if p is None or t is None:
+            return False
+        err = declare_timeout(p, t, self.storages[0].url)
+        if err is None:
+            return False
+        with self._lock:
+            if self._inflight is p:
+                self._inflight = None
+        self._snap.retire_host_arenas()   # the hung writer may still read them
+        self._record_error(err, p.step)
+        return True
+
     def _harvest(self) -> None:
-        """Collect a finished persist (non-blocking)."""
+        """Collect a finished persist (non-blocking); give up one past ``persist_timeout_s``."""
+        self._expire_inflight()
         with self._lock:   # the snapshot thread may be recording the next persist
             p = self._inflight
             if p is None or not p.done():

@@ -16,6 +16,16 @@ writer thread, a writer subprocess, a Ray node actor):
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
+**Hung writes.** A write that blocks (a dead NFS server, an object store that stops answering)
+is given up after the Checkpointer's ``persist_timeout_s``: the waiter :meth:`CommitGate.abandon`\ s
+the job's gate, and the writer must :meth:`CommitGate.claim` that same gate right before its
+commit point, so exactly one of them wins. A writer that wakes up after it was given up finds the
+gate taken and raises :class:`PersistAbandoned` instead of committing (nor does it run retention),
+so a checkpoint declared failed can never appear later, nor delete newer ones. The backend then
+writes the next job on a fresh thread (or a fresh writer process; the hung one is killed), and
+the Checkpointer snapshots into fresh arenas, because the hung writer may still read the old
+ones: each hung write pins one set of arenas (the state's size in host memory) until it returns.
+
 Backends decide *where* that function runs. ``ThreadBackend`` (default) runs it on one
 background thread of the training process. It was measured against ``ProcessBackend`` (a spawned
 writer process reading the arenas from /dev/shm) with ``bench/bench_checkpoint.py``: the
@@ -27,11 +37,18 @@ stores whose client holds the GIL while uploading.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import json
 import logging
 import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
 import time
+import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +93,8 @@ class PersistJob:
     keep_epoch_ends: bool = True
     arenas: list[torch.Tensor] | None = field(default=None, repr=False)
     """In-process arenas (uint8 tensors); dropped when pickled."""
+    gate: "CommitGate | None" = None
+    """Set by a backend that can give the write up: claimed by the writer before it commits."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -96,6 +115,85 @@ class CommitInfo:
     deleted: tuple[int, ...] = ()
 
 
+# ---- who decides a persist's fate: the writer (commit) or the waiter (abandon) ------------------
+
+class PersistAbandoned(RuntimeError):
+    """Raised by a writer that reached its commit point after its persist was given up."""
+
+
+class CommitGate:
+    """A persist's one-time decision: its writer commits, or its waiter abandons it; never both.
+
+    The writer calls :meth:`claim` right before its commit point and commits only if it
+    returns True; the waiter calls :meth:`abandon` when the persist timed out, and may declare
+    it failed only if that returns True. Whichever comes first wins, atomically; both calls
+    are idempotent for their own side. ``path=None``: within one process (a lock). With a
+    ``path`` (a file that must not exist yet, on a local filesystem both processes see): across
+    processes, through an atomic ``link``; the gate pickles. :meth:`close` removes the file.
+    """
+
+    COMMIT, ABANDON = "commit", "abandon"
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        self._lock = threading.Lock() if path is None else None
+        self._owner: str | None = None
+
+    def __getstate__(self):
+        if self.path is None:
+            raise TypeError("an in-process CommitGate cannot be pickled; give it a path to cross processes")
+        return {"path": self.path, "_lock": None, "_owner": None}
+
+    def _take(self, who: str) -> bool:
+        if self.path is None:
+            with self._lock:
+                if self._owner is None:
+                    self._owner = who
+                return self._owner == who
+        tmp = f"{self.path}.{who}-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "w") as f:
+            f.write(who)
+        try:
+            os.link(tmp, self.path)   # atomic: fails if the other side got there first
+            return True
+        except FileExistsError:
+            with open(self.path) as f:
+                return f.read() == who
+        finally:
+            os.unlink(tmp)
+
+    def claim(self) -> bool:
+        """Writer, right before committing: True = go ahead; False = given up, do not commit."""
+        return self._take(self.COMMIT)
+
+    def abandon(self) -> bool:
+        """Waiter, on timeout: True = the writer can never commit; False = it is committing."""
+        return self._take(self.ABANDON)
+
+    def abandoned(self) -> bool:
+        """Whether the waiter gave up already (a hint for the writer; :meth:`claim` decides)."""
+        if self.path is None:
+            return self._owner == self.ABANDON
+        try:
+            with open(self.path) as f:
+                return f.read() == self.ABANDON
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def _claim_commit(job: PersistJob) -> None:
+    if job.gate is not None and not job.gate.claim():
+        raise PersistAbandoned(f"persist of step {job.step} was given up (timed out) before it could "
+                               f"commit; not committing it")
+
+
 def _shard_chunks(header: bytes, arena: np.ndarray, entries: list[TensorEntry], sums: dict):
     yield header
     for e in entries:
@@ -108,6 +206,17 @@ def _shard_chunks(header: bytes, arena: np.ndarray, entries: list[TensorEntry], 
         sums[e.name] = h.hexdigest()
 
 
+def _write_hint(storage: Storage, step: int) -> None:
+    """Record the step just committed for discovery behind a lagging listing (best effort)."""
+    from cfdist.checkpoint.discovery import LATEST_HINT
+
+    try:
+        storage.write_atomic(LATEST_HINT, json.dumps({"step": step}).encode())
+    except OSError as e:
+        log.warning("could not write %s in %s after committing step %d: %s (only a hint)",
+                    LATEST_HINT, storage.url, step, e)
+
+
 def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     """Persist ``job`` striped over ``storages`` (root 0 holds the manifest) and commit it.
 
@@ -116,6 +225,8 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     """
     t0 = time.perf_counter()
     final = step_dir(job.step)
+    if job.gate is not None and job.gate.abandoned():
+        raise PersistAbandoned(f"persist of step {job.step} was given up before it started")
     if any(st.exists(final) for st in storages):
         # Left by a run that rolled back past this step (restore rejected or skipped it): it
         # would block the publish, and on object stores new shards would land under its manifest.
@@ -155,10 +266,16 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
                 for s in job.shards],
         tensors={e.name: e.to_json(sums[e.name]) for s in job.shards for e in s.entries},
     )
-    storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])
-    storages[0].fsync_dir(staging[0])
-    storages[0].publish(staging[0], final)  # == COMMIT
+    if storages[0].atomic_rename:
+        storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])
+        storages[0].fsync_dir(staging[0])
+        _claim_commit(job)
+        storages[0].publish(staging[0], final)  # == COMMIT
+    else:
+        _claim_commit(job)
+        storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])  # == COMMIT
     seconds = time.perf_counter() - t0
+    _write_hint(storages[0], job.step)
     deleted = retention.apply(storages, keep=job.keep, keep_epoch_ends=job.keep_epoch_ends,
                               newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")))
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
@@ -169,23 +286,75 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
 # ---- backends ----------------------------------------------------------------------------------
 
 class Pending(Protocol):
+    step: int
+
     def done(self) -> bool: ...
 
     def wait(self, timeout: float | None = None) -> CommitInfo: ...
 
 
-class FuturePending:
-    """A pending persist: ``wait()`` returns its CommitInfo or re-raises its error."""
+class PersistTimeout(TimeoutError):
+    """A persist did not finish within ``persist_timeout_s`` and was declared failed."""
 
-    def __init__(self, fut: cf.Future, step: int):
+
+class FuturePending:
+    """A pending persist: ``wait()`` returns its CommitInfo or re-raises its error.
+
+    ``wait(timeout)`` raises ``TimeoutError`` when the persist is still running after
+    ``timeout`` seconds. With a ``gate`` the persist can be given up (:meth:`abandon`);
+    ``on_abandon`` then lets the backend move the next job to a fresh writer.
+    """
+
+    def __init__(self, fut: cf.Future, step: int, gate: CommitGate | None = None, on_abandon=None):
         self._fut = fut
         self.step = step
+        self.submitted = time.monotonic()
+        self._gate = gate
+        self._on_abandon = on_abandon
+        if gate is not None:
+            fut.add_done_callback(lambda f: gate.close() if not gate.abandoned() else None)
 
     def done(self) -> bool:
         return self._fut.done()
 
     def wait(self, timeout: float | None = None) -> CommitInfo:
         return self._fut.result(timeout)
+
+    def abandon(self) -> bool:
+        """Give the persist up: True when its writer can no longer commit (it was not
+        committing yet); False when it already passed its commit point (wait for it), or when
+        this backend cannot give writes up."""
+        if self._gate is None or not self._gate.abandon():
+            return False
+        if self._on_abandon is not None:
+            self._on_abandon(self)
+        return True
+
+
+def declare_timeout(pending, timeout_s: float, where: str) -> PersistTimeout | None:
+    """Give ``pending`` up if it ran ``timeout_s`` seconds or more: the error to record, or None
+    (not due yet, finished, already committing, or a backend that cannot give writes up)."""
+    started = getattr(pending, "submitted", None)
+    if started is None or pending.done() or time.monotonic() - started < timeout_s:
+        return None
+    abandon = getattr(pending, "abandon", None)
+    if abandon is None or not abandon():
+        return None
+    log.error("persisting step %d to %s did not finish within persist_timeout_s=%s: declared failed; its "
+              "writer can no longer commit it", pending.step, where, timeout_s)
+    return PersistTimeout(
+        f"persisting step {pending.step} to {where} did not finish within persist_timeout_s={timeout_s}s "
+        f"(the storage hangs or is too slow); it is declared failed and can no longer commit; training "
+        f"continues with a fresh writer; raise persist_timeout_s if the storage is just slow")
+
+
+def _run_into(fut: cf.Future, fn, *args) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the waiter, which re-raises it
+        fut.set_exception(e)
 
 
 class PersistBackend(Protocol):
@@ -198,20 +367,52 @@ class PersistBackend(Protocol):
     def close(self) -> None: ...
 
 
+_LIVE_THREAD_BACKENDS: "weakref.WeakSet[ThreadBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_thread_backends() -> None:
+    # Writer threads are daemons (a hung one must not block exit), so at exit wait for the
+    # writes still wanted, as a pool's non-daemon thread would have been waited for.
+    for b in list(_LIVE_THREAD_BACKENDS):
+        b.close()
+
+
 class ThreadBackend:
-    """Persist on one background thread of this process (the default)."""
+    """Persist on a background thread of this process (the default).
+
+    One job at a time in practice (the Checkpointer waits for a persist before submitting the
+    next); each job gets its own daemon thread, so a write given up as hung never delays the
+    next one. ``close()`` (and interpreter exit) wait for the jobs not given up.
+    """
 
     needs_shared_memory = False
 
     def __init__(self, storages: list[Storage]):
         self.storages = storages
-        self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-persist")
+        self._live: set[cf.Future] = set()
+        self._lock = threading.Lock()
+        _LIVE_THREAD_BACKENDS.add(self)
 
     def submit(self, job: PersistJob) -> Pending:
-        return FuturePending(self._ex.submit(write_checkpoint, self.storages, job), job.step)
+        job.gate = CommitGate()
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            self._live.add(fut)
+        fut.add_done_callback(self._forget)
+        threading.Thread(target=_run_into, args=(fut, write_checkpoint, self.storages, job),
+                         name=f"cfdist-persist-{job.step}", daemon=True).start()
+        return FuturePending(fut, job.step, job.gate, on_abandon=lambda p: self._forget(p._fut))
+
+    def _forget(self, fut: cf.Future) -> None:
+        with self._lock:
+            self._live.discard(fut)
 
     def close(self) -> None:
-        self._ex.shutdown(wait=True)
+        with self._lock:
+            live = list(self._live)
+        cf.wait(live)
+        _LIVE_THREAD_BACKENDS.discard(self)
 
 
 def _child_write(urls: list[str], options: dict, job: PersistJob) -> CommitInfo:
@@ -229,7 +430,12 @@ def _child_storages(urls: tuple, options_json: str) -> list[Storage]:
 
 
 class ProcessBackend:
-    """Persist in a spawned writer process that maps the arenas from /dev/shm."""
+    """Persist in a spawned writer process that maps the arenas from /dev/shm.
+
+    A writer process that died (killed, out of memory) fails the persist it was running with
+    ``BrokenProcessPool``; the next job gets a new writer process. A write given up as hung
+    has its writer process killed, and the next job a new one.
+    """
 
     needs_shared_memory = True
 
@@ -240,10 +446,40 @@ class ProcessBackend:
                                  f"this process only; use backend='thread'")
         self.urls = [s.url for s in storages]
         self.options = dict(storage_options or {})
-        self._ex = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._gates = tempfile.mkdtemp(prefix="cfdist-gates-", dir=shm)
+        self._ex = self._new_pool()
+        self.restarts = 0
+        """Writer processes replaced (died, or killed after a hung write)."""
+
+    @staticmethod
+    def _new_pool() -> cf.ProcessPoolExecutor:
+        return cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+
+    def _replace_pool(self, kill: bool) -> None:
+        old, self._ex = self._ex, self._new_pool()
+        self.restarts += 1
+        if kill:
+            for p in list((getattr(old, "_processes", None) or {}).values()):
+                p.kill()
+        old.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: PersistJob) -> Pending:
-        return FuturePending(self._ex.submit(_child_write, self.urls, self.options, job), job.step)
+        job.gate = CommitGate(os.path.join(self._gates, f"step-{job.step}-{uuid.uuid4().hex[:8]}"))
+        try:
+            fut = self._ex.submit(_child_write, self.urls, self.options, job)
+        except cf.process.BrokenProcessPool:
+            log.warning("the persist writer process died; starting a new one for step %d", job.step)
+            self._replace_pool(kill=False)
+            fut = self._ex.submit(_child_write, self.urls, self.options, job)
+        return FuturePending(fut, job.step, job.gate, on_abandon=lambda p: self._replace_pool(kill=True))
+
+    def writer_pids(self) -> list[int]:
+        """Pids of the live writer processes (for tests that kill them)."""
+        return [p.pid for p in (getattr(self._ex, "_processes", None) or {}).values() if p.is_alive()]
 
     def close(self) -> None:
-        self._ex.shutdown(wait=True)
+        try:
+            self._ex.shutdown(wait=True)
+        finally:
+            shutil.rmtree(self._gates, ignore_errors=True)

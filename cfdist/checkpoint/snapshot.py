@@ -195,6 +195,13 @@ class Snapshotter:
             h.buf.copy_(g.buf)
         torch.cuda.synchronize(g.buf.device)
 
+    def retire_host_arenas(self) -> None:
+        """Never copy into the current arenas again (a writer given up may still read them):
+        the next :meth:`start` allocates fresh ones. Their memory is freed once that writer
+        drops its references (in-process), or stays mapped in its process (shared)."""
+        self.wait_copied()
+        self._sig = None
+
     def close_arenas(self) -> None:
         for a in self.host + self.gpu:
             a.close()

@@ -30,7 +30,7 @@ import shutil
 import threading
 import time
 
-from cfdist.checkpoint.discovery import committed_steps, sweep
+from cfdist.checkpoint.discovery import committed_steps, is_committed, sweep
 from cfdist.checkpoint.persist import CommitInfo, PersistJob, write_checkpoint
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
@@ -152,7 +152,7 @@ class NodeCheckpointer:
         cannot delete it meanwhile)."""
         with self._lock:
             for sts in self._node_tiers():
-                if step in committed_steps(sts[0]):
+                if is_committed(sts[0], step):
                     return transfer.freeze(sts, step)
         return None
 
@@ -210,7 +210,7 @@ class NodeCheckpointer:
                 raise TimeoutError(f"copying step {step} to {self.shared[0].url} took more than {timeout_s}s")
             if self._shared_error:
                 raise RuntimeError(f"copying step {step} to {self.shared[0].url} failed: {self._shared_error}")
-        return step if step in committed_steps(self.shared[0]) else None
+        return step if is_committed(self.shared[0], step) else None   # by key: listings may lag
 
     # ---- recovery --------------------------------------------------------------------------------
     def holdings(self, with_shared: bool = False) -> dict:

@@ -12,7 +12,7 @@ Call from a node actor (any thread); nothing here talks to Ray.
 from __future__ import annotations
 
 from cfdist.checkpoint import retention
-from cfdist.checkpoint.discovery import committed_steps, copy_checkpoint, read_manifest
+from cfdist.checkpoint.discovery import copy_checkpoint, is_committed, read_manifest
 from cfdist.checkpoint.format import MANIFEST, step_dir
 from cfdist.storage import Storage
 
@@ -67,7 +67,7 @@ def commit_frozen(frozen: Frozen, step: int, dst: list[Storage], *, source: str,
     Returns False (and writes nothing) when ``dst`` already holds ``step`` committed. A
     leftover uncommitted directory of the same step is removed first.
     """
-    if step in committed_steps(dst[0]):
+    if is_committed(dst[0], step):   # by key: a lagging listing may hide it
         return False
     for st in dst:
         if st.exists(step_dir(step)):
