@@ -178,6 +178,7 @@ class _FitCheckpointer(Checkpointer):
 
     def step(self, optimizer=None, closure=None):
         out = super().step(optimizer, closure)
+        _raise_if_node_actor_died(self._error)
         if self._ctx._on_step(self) and self.writer:
             self.save(block=False)   # preemption notice: checkpoint this step now
         return out
@@ -189,6 +190,17 @@ class _FitCheckpointer(Checkpointer):
         got = super().restore(want) if want is not None else None
         self._ctx._on_restored(got, time.perf_counter() - t0)
         return got
+
+
+def _raise_if_node_actor_died(err: BaseException | None) -> None:
+    """A persist failed because the node's checkpoint actor died: every later checkpoint of
+    this rank would fail too, so fail the rank now (the controller replaces the actor and
+    restarts the group from the newest commit) instead of training on without checkpoints."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayActorError):
+        raise RuntimeError(f"the node's checkpoint actor died ({type(err).__name__}); stopping this rank so "
+                           f"that the run restarts from its newest committed checkpoint") from err
 
 
 def _fresh(policy):

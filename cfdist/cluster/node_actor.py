@@ -46,6 +46,37 @@ def memory_root(run_id: str) -> str | None:
     return os.path.join(SHM_ROOT, f"cfdist-{run_id}") if SHM_ROOT else None
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's live process
+        return True
+    return True
+
+
+def _sweep_orphans(run_name: str, node_id: str) -> None:
+    """Free /dev/shm that dead processes left: this node's memory tiers of earlier runs of
+    ``run_name`` whose actor is gone (a driver killed before it could close them), and arenas
+    whose creating process is gone. Never touches what a live process owns."""
+    for old in glob.glob(os.path.join(SHM_ROOT, f"cfdist-{glob.escape(run_name)}-*", f"{node_id[:16]}-*")):
+        pid = old.rsplit("-", 1)[1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(old))   # that run's directory, once empty
+            except OSError:
+                pass
+    for arena in glob.glob(os.path.join(SHM_ROOT, "cfdist-*-*.arena")):
+        pid = os.path.basename(arena).split("-")[1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            try:
+                os.unlink(arena)
+            except OSError:
+                pass
+
+
 class StaleAttempt(RuntimeError):
     """A persist from a worker group that the controller already replaced."""
 
@@ -74,6 +105,7 @@ class NodeCheckpointer:
             # a node that stayed up) is stale: a replacement starts with empty memory.
             for old in glob.glob(os.path.join(root, f"{node_id[:16]}-*")):
                 shutil.rmtree(old, ignore_errors=True)
+            _sweep_orphans(config.run_name, node_id)
             self._mem_dir = os.path.join(root, f"{node_id[:16]}-{os.getpid()}")
             self.mem = open_storages(f"file://{self._mem_dir}")
         if config.local_tier:

@@ -45,7 +45,9 @@ class RayBackend:
         self.excluded: set[str] = set()
         """Node ids the failure injector took away (not usable until it returns them)."""
         self.dead: set[str] = set()
-        """Node ids whose node actor died: the node is gone even if Ray does not know yet."""
+        """Node ids whose node actor died and could not be replaced: the node is gone even if Ray
+        does not know yet."""
+        self._actor_died: set[str] = set()   # actor seen dead, its node not checked yet
         self.actors: dict[str, object] = {}
         self.tiers: dict[str, dict] = {}
         self._warming: dict[str, tuple] = {}   # node id -> (actor, ready ref): spares, started ahead
@@ -96,15 +98,43 @@ class RayBackend:
         lost = {n.node_id for n in nodes if n.node_id not in alive or n.node_id in self.excluded}
         refs = {n.node_id: self.actors[n.node_id].ready.remote() for n in nodes
                 if n.node_id not in lost and n.node_id in self.actors}
+        by_id = {n.node_id: n for n in nodes}
+        for nid in [n.node_id for n in nodes if n.node_id in self._actor_died and n.node_id not in lost]:
+            self._actor_died.discard(nid)
+            if nid not in self.actors and not self._replace_actor(by_id[nid], timeout_s):
+                lost.add(nid)
         for nid, ref in refs.items():
             try:
                 ray.get(ref, timeout=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            except ray.exceptions.RayActorError:
+                if not self._replace_actor(by_id[nid], timeout_s):
+                    lost.add(nid)
+            except ray.exceptions.GetTimeoutError:
                 lost.add(nid)
         for nid in lost - self.excluded:
             self.dead.add(nid)
             self._forget(nid)
         return lost
+
+    def _replace_actor(self, n: NodeInfo, timeout_s: float) -> bool:
+        """The node actor of ``n`` died: start a new one there. True if it started (only the
+        actor died, e.g. killed or out of memory: the node and its local disk stay usable; its
+        memory tier is gone); False if it could not (the node itself is gone)."""
+        actor, ready = self._spawn(n)
+        try:
+            self.tiers[n.node_id] = ray.get(ready, timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            log.warning("node %s: its checkpoint actor died and a new one did not start (%s): the node is lost",
+                        n.name, type(e).__name__)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - it may never have started
+                pass
+            return False
+        self.actors[n.node_id] = actor
+        log.warning("node %s: its checkpoint actor died; started a new one (the node's memory tier is lost, "
+                    "its local disk is kept)", n.name)
+        return True
 
     def _forget(self, node_id: str) -> None:
         self.actors.pop(node_id, None)
@@ -118,7 +148,9 @@ class RayBackend:
             try:
                 out[nid] = ray.get(ref, timeout=timeout)
             except ray.exceptions.RayActorError:
-                self.dead.add(nid)
+                # The actor died; whether its node did too, lost_nodes finds out (it tries a new
+                # actor there): an actor killed alone must not cost the run a healthy node.
+                self._actor_died.add(nid)
                 self._forget(nid)
             except ray.exceptions.GetTimeoutError:
                 log.warning("node actor %s did not answer %s within %.0fs; ignoring it", nid[:8], method, timeout)
@@ -126,6 +158,12 @@ class RayBackend:
 
     # ---- the controller's questions ----------------------------------------------------------------
     def holdings(self) -> list[Holding]:
+        try:
+            # A node without an actor yet (a fresh driver re-running a run_name) may hold that
+            # run's checkpoints on its local disk: its actor must be asked too.
+            self._ensure_actors(self.usable_nodes())
+        except NodeLost as e:
+            log.warning("%s", e)
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for nid in [n for n in self.actors if n not in alive]:
             self._forget(nid)
