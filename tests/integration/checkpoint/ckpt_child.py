@@ -129,10 +129,14 @@ def crash(a: dict) -> None:
             log.flush()
         if every and i % every == 0:
             report(a["out"], f"stats-{a['run']}.json", _plain(ckpt.stats) | {"step": i})
-    ckpt.close()
+    raised = None
+    try:
+        ckpt.close()
+    except Exception as e:  # noqa: BLE001 - wait() re-raises an earlier persist's failure once: reported
+        raised = f"{type(e).__name__}: {e}"
     if log is not None:
         log.close()
-    report(a["out"], f"done-{a['run']}.json", {"step": i, "stats": _plain(ckpt.stats)})
+    report(a["out"], f"done-{a['run']}.json", {"step": i, "stats": _plain(ckpt.stats), "close_raised": raised})
 
 
 def _plain(stats: dict) -> dict:
