@@ -71,8 +71,9 @@ def sweep(storages: list[Storage]) -> list[str]:
     for st in storages:
         for name in st.listdir(""):
             step = parse_step_dir(name)
-            if TMP_MARK in name and parse_step_dir(name.split(TMP_MARK)[0]) is not None:
-                st.remove(name)
+            if TMP_MARK in name and (parse_step_dir(name.split(TMP_MARK)[0]) is not None
+                                     or name.split(TMP_MARK)[0].endswith(".json")):
+                st.remove(name)   # a staging dir, or the tmp file of a small write_atomic (hint, history)
                 removed.append(st.url_of(name))
             elif step is not None and step not in committed and not is_committed(storages[0], step):
                 st.remove(name)   # asked by key too: a lagging listing may hide a fresh commit

@@ -44,6 +44,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -429,6 +430,24 @@ def _child_storages(urls: tuple, options_json: str) -> list[Storage]:
     return _CHILD_CACHE[key]
 
 
+def _die_with_parent(parent: int) -> None:
+    """In a writer process: be SIGKILLed when the training process dies (Linux).
+
+    Otherwise a writer orphaned by a killed training process would finish its write and could
+    commit it after a new training process started and swept (a late, unexpected commit). The
+    pool spawns its process from the thread that submits (the training or snapshot thread, both
+    alive as long as the Checkpointer), as the signal follows the thread that spawned.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:   # it died before the prctl
+        os._exit(1)
+
+
 class ProcessBackend:
     """Persist in a spawned writer process that maps the arenas from /dev/shm.
 
@@ -454,7 +473,8 @@ class ProcessBackend:
 
     @staticmethod
     def _new_pool() -> cf.ProcessPoolExecutor:
-        return cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+        return cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                                      initializer=_die_with_parent, initargs=(os.getpid(),))
 
     def _replace_pool(self, kill: bool) -> None:
         old, self._ex = self._ex, self._new_pool()

@@ -86,7 +86,11 @@ class RayBackend:
                 self.tiers[nid] = ray.get(ready, timeout=_CALL_S)
                 self.actors[nid] = actor
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                self.dead.add(nid)
+                # An actor that died while starting on a node Ray still sees alive (killed, out
+                # of memory) does not make the node lost: the next recovery starts another.
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                if isinstance(e, ray.exceptions.GetTimeoutError) or nid not in alive:
+                    self.dead.add(nid)
                 lost.append(f"{nid[:8]}: {type(e).__name__}")
         if lost:
             raise NodeLost(f"node actor(s) could not start on {', '.join(lost)}; those nodes are excluded")
