@@ -311,8 +311,17 @@ def node_actor_lane(stop: threading.Event, counters: Counters, root: Path, seed:
     from cfdist.api import fit
 
     rng = random.Random(seed)
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=2,
-             logging_level=logging.ERROR, log_to_driver=False)   # workers inherit PYTHONPATH
+    stop.wait(60)   # let the other lanes' fork servers import torch first: a loaded machine times Ray out
+    for tries in range(1, 6):
+        try:
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=2,
+                     logging_level=logging.ERROR, log_to_driver=False)   # workers inherit PYTHONPATH
+            break
+        except Exception as e:  # noqa: BLE001 - Ray's start-up timeout on an overloaded machine
+            print(f"!! node actor lane: Ray did not start (try {tries}): {e}", flush=True)
+            ray.shutdown()
+            if tries == 5 or stop.wait(30):
+                raise
     ray.cloudpickle.register_pickle_by_value(cluster_loops)
     pids["ray gcs_server"] = next(iter(_titled(b"gcs_server")), None)
     pids["ray raylet"] = next(iter(_titled(b"raylet")), None)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import glob
 import json
 import logging
 import multiprocessing as mp
@@ -430,6 +431,21 @@ def _child_storages(urls: tuple, options_json: str) -> list[Storage]:
     return _CHILD_CACHE[key]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (someone else's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ready() -> None:
+    """A writer process's first job: nothing (importing this module is the warm-up)."""
+
+
 def _die_with_parent(parent: int) -> None:
     """In a writer process: be SIGKILLed when the training process dies (Linux).
 
@@ -465,16 +481,22 @@ class ProcessBackend:
                                  f"this process only; use backend='thread'")
         self.urls = [s.url for s in storages]
         self.options = dict(storage_options or {})
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self._gates = tempfile.mkdtemp(prefix="cfdist-gates-", dir=shm)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        for old in glob.glob(os.path.join(shm, "cfdist-gates-*-*")):   # left by killed processes
+            pid = os.path.basename(old).split("-")[2]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        self._gates = tempfile.mkdtemp(prefix=f"cfdist-gates-{os.getpid()}-", dir=shm)
         self._ex = self._new_pool()
         self.restarts = 0
         """Writer processes replaced (died, or killed after a hung write)."""
 
     @staticmethod
     def _new_pool() -> cf.ProcessPoolExecutor:
-        return cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+        pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
                                       initializer=_die_with_parent, initargs=(os.getpid(),))
+        pool.submit(_ready)   # start the writer (seconds: it imports torch) before the first job
+        return pool
 
     def _replace_pool(self, kill: bool) -> None:
         old, self._ex = self._ex, self._new_pool()

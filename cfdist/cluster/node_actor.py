@@ -31,7 +31,7 @@ import threading
 import time
 
 from cfdist.checkpoint.discovery import committed_steps, is_committed, sweep
-from cfdist.checkpoint.persist import CommitInfo, PersistJob, write_checkpoint
+from cfdist.checkpoint.persist import CommitInfo, PersistJob, pid_alive, write_checkpoint
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
 from cfdist.storage import open_storages
@@ -46,23 +46,13 @@ def memory_root(run_id: str) -> str | None:
     return os.path.join(SHM_ROOT, f"cfdist-{run_id}") if SHM_ROOT else None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's live process
-        return True
-    return True
-
-
 def _sweep_orphans(run_name: str, node_id: str) -> None:
     """Free /dev/shm that dead processes left: this node's memory tiers of earlier runs of
     ``run_name`` whose actor is gone (a driver killed before it could close them), and arenas
     whose creating process is gone. Never touches what a live process owns."""
     for old in glob.glob(os.path.join(SHM_ROOT, f"cfdist-{glob.escape(run_name)}-*", f"{node_id[:16]}-*")):
         pid = old.rsplit("-", 1)[1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
             try:
                 os.rmdir(os.path.dirname(old))   # that run's directory, once empty
@@ -70,7 +60,7 @@ def _sweep_orphans(run_name: str, node_id: str) -> None:
                 pass
     for arena in glob.glob(os.path.join(SHM_ROOT, "cfdist-*-*.arena")):
         pid = os.path.basename(arena).split("-")[1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             try:
                 os.unlink(arena)
             except OSError:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -149,3 +151,42 @@ def test_storage_fault_during_persist(fault, backend_url, mlp_state, train, capl
     if fault == "torn":                                # committed, but the disk lied: reading finds it
         with pytest.raises(cfdist.CheckpointError, match="truncated"):
             cfdist.load(url, step=4)
+
+
+def test_hung_writer_process_is_given_up_killed_and_replaced(tmp_path, mlp_state, train, caplog):
+    """``backend="process"``: the writer process stops (SIGSTOP: a write stuck in the kernel)
+    while it writes step 4. After ``persist_timeout_s`` the persist is declared failed, the
+    stopped writer is killed (it can never commit: its gate is taken), a fresh writer process
+    writes step 6, which commits; training never stopped; ``wait()`` raises the timeout once.
+
+    Real: the spawned writer process, /dev/shm arenas, ``file://`` storage, SIGSTOP. Faked:
+    nothing; the hang is a stopped process.
+    """
+    url = f"file://{tmp_path}/ckpt"
+    st = open_storage(url)
+    model, opt, sched = mlp_state(width=2048)               # ~0.8 MB: a write that lasts a moment
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(EVERY),
+                               backend="process", persist_timeout_s=5.0, keep=3)
+    train(model, opt, ckpt, 2, sched)
+    ckpt.wait()
+    assert ckpt.latest_step == 2
+    (writer,) = ckpt.backend.writer_pids()
+    os.kill(writer, signal.SIGSTOP)                         # step 4's write will hang
+    try:
+        caplog.set_level(logging.ERROR)
+        train(model, opt, ckpt, 2, sched, seed=1)           # step 4: submitted to the stopped writer
+        model(torch.zeros(1, 16))
+        train(model, opt, ckpt, 2, sched, seed=2)           # step 6 waits out the timeout, then goes on
+        with pytest.raises(TimeoutError, match="persist_timeout_s=5.0"):
+            ckpt.wait()
+    finally:
+        try:
+            os.kill(writer, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    _until(lambda: not os.path.exists(f"/proc/{writer}") or open(f"/proc/{writer}/stat").read().split()[2] == "Z")
+    assert ckpt.step_count == 6 and ckpt.latest_step == 6 and ckpt.stats["errors"] == 1
+    assert writer not in ckpt.backend.writer_pids() and ckpt.backend.restarts == 1
+    assert any("persist_timeout_s" in r.getMessage() for r in caplog.records if r.name == "cfdist.checkpointer")
+    ckpt.close()
+    assert committed_steps(st) == [2, 6]
