@@ -307,14 +307,29 @@ class FuturePending:
     ``on_abandon`` then lets the backend move the next job to a fresh writer.
     """
 
-    def __init__(self, fut: cf.Future, step: int, gate: CommitGate | None = None, on_abandon=None):
+    def __init__(self, fut: cf.Future, step: int, gate: CommitGate | None = None, on_abandon=None,
+                 after: cf.Future | None = None):
         self._fut = fut
         self.step = step
-        self.submitted = time.monotonic()
+        self._t = time.monotonic()
+        self._after = after
+        self._after_done: float | None = None
+        if after is not None:
+            after.add_done_callback(lambda f: setattr(self, "_after_done", time.monotonic()))
         self._gate = gate
         self._on_abandon = on_abandon
         if gate is not None:
             fut.add_done_callback(lambda f: gate.close() if not gate.abandoned() else None)
+
+    @property
+    def submitted(self) -> float:
+        """``time.monotonic()`` from which the timeout counts: the submission, or when the
+        writer it waits for (``after``: a writer process starting) became ready."""
+        if self._after is None:
+            return self._t
+        if self._after_done is None:
+            return time.monotonic()   # the writer is still starting: the write has not begun
+        return max(self._t, self._after_done)
 
     def done(self) -> bool:
         return self._fut.done()
@@ -491,11 +506,11 @@ class ProcessBackend:
         self.restarts = 0
         """Writer processes replaced (died, or killed after a hung write)."""
 
-    @staticmethod
-    def _new_pool() -> cf.ProcessPoolExecutor:
+    def _new_pool(self) -> cf.ProcessPoolExecutor:
         pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
                                       initializer=_die_with_parent, initargs=(os.getpid(),))
-        pool.submit(_ready)   # start the writer (seconds: it imports torch) before the first job
+        # Start the writer now (seconds: it imports torch); a persist's timeout counts from then.
+        self._started = pool.submit(_ready)
         return pool
 
     def _replace_pool(self, kill: bool) -> None:
@@ -514,7 +529,8 @@ class ProcessBackend:
             log.warning("the persist writer process died; starting a new one for step %d", job.step)
             self._replace_pool(kill=False)
             fut = self._ex.submit(_child_write, self.urls, self.options, job)
-        return FuturePending(fut, job.step, job.gate, on_abandon=lambda p: self._replace_pool(kill=True))
+        return FuturePending(fut, job.step, job.gate, on_abandon=lambda p: self._replace_pool(kill=True),
+                             after=self._started)
 
     def writer_pids(self) -> list[int]:
         """Pids of the live writer processes (for tests that kill them)."""

@@ -62,6 +62,7 @@ class TrainContext:
         self._preempted = threading.Event()
         self._save_requested = False
         self._step = 0
+        self._errors_reported = 0
         self._ckpts: list[_FitCheckpointer] = []
 
     # ---- identity ------------------------------------------------------------------------------
@@ -130,6 +131,11 @@ class TrainContext:
             if self.rank == 0:
                 self._records.append({"type": "step", "step": ck.step_count, "t": time.time(),
                                       "stall_s": round(ck._stats["stall_s"], 6)})
+                if ck._stats["errors"] > self._errors_reported:   # a persist failed: to the event log
+                    self._errors_reported = ck._stats["errors"]
+                    self._records.append({"type": "checkpoint_error", "step": ck.step_count, "t": time.time(),
+                                          "errors": ck._stats["errors"],
+                                          "error": str(ck._stats["last_error"])[:500]})
             save, self._save_requested = self._save_requested, False
         return save
 
@@ -178,8 +184,9 @@ class _FitCheckpointer(Checkpointer):
 
     def step(self, optimizer=None, closure=None):
         out = super().step(optimizer, closure)
+        save = self._ctx._on_step(self)
         _raise_if_node_actor_died(self._error)
-        if self._ctx._on_step(self) and self.writer:
+        if save and self.writer:
             self.save(block=False)   # preemption notice: checkpoint this step now
         return out
 

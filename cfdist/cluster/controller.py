@@ -206,6 +206,8 @@ class Controller:
                 self.events.emit("metrics", t=r["t"], **fields)
             elif kind == "restored":
                 self._on_restored(r)
+            elif kind == "checkpoint_error":   # rank 0's persist failed; training went on
+                self.events.emit("checkpoint_failed", t=r["t"], **fields)
         return resize
 
     def _on_restored(self, r: dict) -> None:

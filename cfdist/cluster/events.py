@@ -13,7 +13,8 @@ The schema (names and keys) is the one :mod:`cfdist.chaos.metrics` reads; keep t
     {"t": ..., "event": "end", "step": 40}
 
 Extra records (``decision``, ``notice``, ``resize``) carry the controller's decisions with their
-inputs; readers ignore unknown events. ``t`` is ``time.time()`` and never decreases within a
+inputs; ``checkpoint_failed`` (``step``, ``errors``, ``error``) says a persist of rank 0 failed
+while training went on; readers ignore unknown events. ``t`` is ``time.time()`` and never decreases within a
 log (a record stamped earlier than its predecessor is written with the predecessor's ``t``).
 
 Thread-safety: :meth:`EventLog.emit` may be called from any driver thread.

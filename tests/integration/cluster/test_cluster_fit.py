@@ -152,8 +152,8 @@ def _newest_step(out) -> int:
 
 def test_killed_node_actor_is_replaced_and_the_run_completes(fake_cluster, reference, tmp_path):
     """A node's ``NodeCheckpointer`` process is SIGKILLed mid-run (its node stays up): the
-    writer rank on that node stops at its next step instead of training on without
-    checkpoints, the controller starts a new node actor on the same node (the node is not
+    writer rank on that node (rank 0) stops at its next step instead of training on without
+    checkpoints (the failed persist is in the event log as ``checkpoint_failed``), the controller starts a new node actor on the same node (the node is not
     excluded: the group stays at 2 nodes), restores the newest commit and finishes bit-exact,
     every sample once per epoch. The failure's message in the event log names the cause."""
     fake_cluster.ensure_workers(2)
@@ -162,7 +162,7 @@ def test_killed_node_actor_is_replaced_and_the_run_completes(fake_cluster, refer
     def kill_when_running():
         wait_for(lambda: _newest_step(tmp_path / "nodeactor-samples") >= 9, timeout_s=180)
         pids = fake_cluster.pids_titled("NodeCheckpointer")
-        name = sorted(n for n, p in pids.items() if p)[-1]
+        name = sorted(n for n, p in pids.items() if p)[0]   # rank 0's node (nodes are taken by name)
         victim.update(node=name, pids=pids[name])
         for pid in pids[name]:
             os.kill(pid, signal.SIGKILL)
@@ -173,8 +173,11 @@ def test_killed_node_actor_is_replaced_and_the_run_completes(fake_cluster, refer
     killer.join(timeout=10)
     assert victim, "the node actor was never killed"
     assert result.failures == 1 and result.world_sizes == (2, 2)
-    (failure,) = [r for r in _records(tmp_path / "nodeactor.jsonl") if r.get("event") == "failure"]
+    events = _records(tmp_path / "nodeactor.jsonl")
+    (failure,) = [r for r in events if r.get("event") == "failure"]
     assert "checkpoint actor died" in failure["message"]
+    failed = [r for r in events if r.get("event") == "checkpoint_failed"]   # the persist error, logged
+    assert failed and "NodeCheckpointer" in failed[0]["error"] and failed[0]["t"] <= failure["t"]
     assert result.final_step == STEPS
     _assert_same(result.value, reference)
     check_exactly_once(str(out), STEPS)
