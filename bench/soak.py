@@ -179,18 +179,36 @@ def check_restart(rep: dict, expected: int | None, counters: Counters, where: st
             counters.leftovers += 1
 
 
+def kill_rank(children, pid: int, kind: str, st, url: str, counters: Counters, timeline: Timeline, log: Path,
+              where: str) -> int | None:
+    """SIGKILL training process ``pid``, check what it left, add what it consumed to the timeline;
+    returns the newest commit (what the next process must restore)."""
+    before = committed_steps(st)
+    if children.kill(pid) != -9:
+        counters.bad("lost", f"{where} ended by itself")
+    counters.kill(kind)
+    expected = check_after_kill(st, url, before, counters, where)
+    if log.exists():
+        timeline.add_attempt(*Timeline.read(log))
+    return expected
+
+
 # ---- lanes --------------------------------------------------------------------------------------
+
+def _lane(root: Path, pids: dict, label: str):
+    """A lane's output dir, storage URL and Storage, timeline, and its own fork server."""
+    out, url = root / "out", f"file://{root / 'ckpt'}"
+    out.mkdir(parents=True)
+    children = Children(root / "server.log")
+    pids[f"fork server ({label})"] = children.proc.pid
+    return out, url, open_storage(url), Timeline(N_SAMPLES), children
+
 
 def rank_lane(stop: threading.Event, counters: Counters, root: Path, seed: int, hidden: int, pids: dict,
               label: str) -> None:
     """Training processes forked from a warm server, each SIGKILLed at a random instant."""
     rng = random.Random(seed)
-    out, url = root / "out", f"file://{root / 'ckpt'}"
-    out.mkdir(parents=True)
-    st = open_storage(url)
-    timeline = Timeline(N_SAMPLES)
-    children = Children(root / "server.log")
-    pids[f"fork server ({label})"] = children.proc.pid
+    out, url, st, timeline, children = _lane(root, pids, label)
     expected, run = None, 0
     try:
         while not stop.is_set():
@@ -208,14 +226,8 @@ def rank_lane(stop: threading.Event, counters: Counters, root: Path, seed: int, 
             else:
                 time.sleep(rng.uniform(0.0, 0.4))
                 kind = "rank_persist" if in_flight(st) else "rank_step"
-            before = committed_steps(st)
-            if children.kill(pid) != -9:
-                counters.bad("lost", f"rank run {run} ended by itself")
-            counters.kill(kind)
-            expected = check_after_kill(st, url, before, counters, f"rank run {run}")
-            log = out / f"a{run}-r0.jsonl"
-            if log.exists():
-                timeline.add_attempt(*Timeline.read(log))
+            expected = kill_rank(children, pid, kind, st, url, counters, timeline, out / f"a{run}-r0.jsonl",
+                                 f"rank run {run}")
             run += 1
     finally:
         children.close()
@@ -225,12 +237,7 @@ def writer_lane(stop: threading.Event, counters: Counters, root: Path, seed: int
                 rank_every: int, pids: dict) -> None:
     """A process-backend training process whose writer process is SIGKILLed mid-write."""
     rng = random.Random(seed)
-    out, url = root / "out", f"file://{root / 'ckpt'}"
-    out.mkdir(parents=True)
-    st = open_storage(url)
-    timeline = Timeline(N_SAMPLES)
-    children = Children(root / "server.log")
-    pids["fork server (writer lane)"] = children.proc.pid
+    out, url, st, timeline, children = _lane(root, pids, "writer lane")
     expected, run = None, 0
     try:
         while not stop.is_set():
@@ -263,13 +270,8 @@ def writer_lane(stop: threading.Event, counters: Counters, root: Path, seed: int
                                              f"(training process {'died' if children.poll(pid) is not None else 'alive'})")
                         break
                     time.sleep(0.01)
-            before = committed_steps(st)
-            children.kill(pid)
-            counters.kill("rank_process_backend")
-            expected = check_after_kill(st, url, before, counters, f"writer run {run}")
-            log = out / f"a{run}-r0.jsonl"
-            if log.exists():
-                timeline.add_attempt(*Timeline.read(log))
+            expected = kill_rank(children, pid, "rank_process_backend", st, url, counters, timeline,
+                                 out / f"a{run}-r0.jsonl", f"writer run {run}")
             run += 1
     finally:
         children.close()
