@@ -141,6 +141,9 @@ class Checkpointer:
                                             if backend == "process" else ThreadBackend(self.storages))
         else:
             self.backend = backend
+            if persist_timeout_s is not None and not isinstance(backend, (ThreadBackend, ProcessBackend)):
+                log.warning("persist_timeout_s=%s has no effect with %s: only the 'thread' and 'process' "
+                            "backends can give a hung write up", persist_timeout_s, type(backend).__name__)
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory)
         if self.writer:
             discovery.sweep(self.storages)
