@@ -338,12 +338,17 @@ def node_actor_lane(stop: threading.Event, counters: Counters, root: Path, seed:
             done = threading.Event()
 
             def killer():
+                last = -1
                 while not done.is_set() and not stop.is_set():
                     if done.wait(rng.uniform(3.0, 10.0)) or stop.is_set():
                         return
+                    # Only once training resumed since the previous kill (the group restarted and
+                    # committed a step): on a loaded machine kills must not outpace recovery.
+                    newest = (committed_steps(st) or [0])[-1] if (st := _local_storage(local, name)) else 0
                     victims = _titled(b"NodeCheckpointer")
-                    if not victims:
+                    if not victims or newest <= last:
                         continue
+                    last = newest
                     for v in victims:
                         try:
                             os.kill(v, signal.SIGKILL)
@@ -379,6 +384,8 @@ def node_actor_lane(stop: threading.Event, counters: Counters, root: Path, seed:
                 cluster_loops.check_exactly_once(str(out), steps)
             except AssertionError as e:
                 counters.bad("exactly_once", f"fit {name}: {e}")
+            except Exception as e:  # noqa: BLE001 - e.g. no log at all: the run never trained
+                counters.bad("exactly_once", f"fit {name}: cannot replay its logs: {type(e).__name__}: {e}")
             restored = [json.loads(line) for line in open(out / "events.jsonl") if '"restored"' in line]
             restored = [r for r in restored if r.get("event") == "restored"]
             for (tk, newest), r in zip(kills, restored):

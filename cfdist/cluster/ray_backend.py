@@ -86,14 +86,17 @@ class RayBackend:
                 self.tiers[nid] = ray.get(ready, timeout=_CALL_S)
                 self.actors[nid] = actor
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                # An actor that died while starting on a node Ray still sees alive (killed, out
-                # of memory) does not make the node lost: the next recovery starts another.
+                # The node is lost only if Ray says so: an actor that died while starting (killed,
+                # out of memory) gets a successor next time, one still starting is waited for again.
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-                if isinstance(e, ray.exceptions.GetTimeoutError) or nid not in alive:
+                if nid not in alive:
                     self.dead.add(nid)
+                elif isinstance(e, ray.exceptions.GetTimeoutError):
+                    self._warming[nid] = (actor, ready)
                 lost.append(f"{nid[:8]}: {type(e).__name__}")
         if lost:
-            raise NodeLost(f"node actor(s) could not start on {', '.join(lost)}; those nodes are excluded")
+            raise NodeLost(f"node actor(s) could not start on {', '.join(lost)}; nodes Ray reports dead are "
+                           f"excluded, the others are tried again")
 
     def lost_nodes(self, nodes: list[NodeInfo], timeout_s: float = 10.0) -> set[str]:
         """Which of ``nodes`` are gone: Ray says dead, or their node actor does not answer
@@ -105,13 +108,13 @@ class RayBackend:
         by_id = {n.node_id: n for n in nodes}
         for nid in [n.node_id for n in nodes if n.node_id in self._actor_died and n.node_id not in lost]:
             self._actor_died.discard(nid)
-            if nid not in self.actors and not self._replace_actor(by_id[nid], timeout_s):
+            if nid not in self.actors and not self._replace_actor(by_id[nid]):
                 lost.add(nid)
         for nid, ref in refs.items():
             try:
                 ray.get(ref, timeout=timeout_s)
             except ray.exceptions.RayActorError:
-                if not self._replace_actor(by_id[nid], timeout_s):
+                if not self._replace_actor(by_id[nid]):
                     lost.add(nid)
             except ray.exceptions.GetTimeoutError:
                 lost.add(nid)
@@ -120,22 +123,16 @@ class RayBackend:
             self._forget(nid)
         return lost
 
-    def _replace_actor(self, n: NodeInfo, timeout_s: float) -> bool:
-        """The node actor of ``n`` died: start a new one there. True if it started (only the
-        actor died, e.g. killed or out of memory: the node and its local disk stay usable; its
-        memory tier is gone); False if it could not (the node itself is gone)."""
-        actor, ready = self._spawn(n)
+    def _replace_actor(self, n: NodeInfo) -> bool:
+        """The node actor of ``n`` died: start a new one there. True unless the node itself is
+        gone (only the actor died, e.g. killed or out of memory: the node and its local disk stay
+        usable; its memory tier is gone). An actor still starting is kept for the next use."""
+        self._warming.setdefault(n.node_id, self._spawn(n))
         try:
-            self.tiers[n.node_id] = ray.get(ready, timeout=timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            log.warning("node %s: its checkpoint actor died and a new one did not start (%s): the node is lost",
-                        n.name, type(e).__name__)
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - it may never have started
-                pass
-            return False
-        self.actors[n.node_id] = actor
+            self._ensure_actors([n])
+        except NodeLost as e:
+            log.warning("node %s: its checkpoint actor died; a new one is not ready (%s)", n.name, e)
+            return n.node_id not in self.dead
         log.warning("node %s: its checkpoint actor died; started a new one (the node's memory tier is lost, "
                     "its local disk is kept)", n.name)
         return True
