@@ -6,6 +6,7 @@
     cfdist ls file:///mnt/ssd/cfdist/run1
     cfdist inspect file:///mnt/ssd/cfdist/run1/step-000001200   # or the run dir: newest step
     cfdist demo                       # the local demo (python -m cfdist.demo)
+    cfdist bench                      # checkpoint benchmarks vs torch.save and DCP (--quick, --full)
 
 Subcommands live in :data:`SUBCOMMANDS`: ``name -> "module:function"``; the function receives
 the ``argparse`` subparsers object and registers its parser with ``set_defaults(run=...)`` (or
@@ -26,6 +27,7 @@ SUBCOMMANDS: dict[str, str] = {
     "inspect": "cfdist.cli:_register_inspect",
     "demo": "cfdist.cli:_register_demo",
     "experiment": "cfdist.chaos.experiment:register",      # chaos experiments (cfdist/chaos)
+    "bench": "cfdist.benchmarks.cli:register",             # benchmarks vs torch.save and DCP
 }
 
 

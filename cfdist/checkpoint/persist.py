@@ -28,7 +28,7 @@ ones: each hung write pins one set of arenas (the state's size in host memory) u
 
 Backends decide *where* that function runs. ``ThreadBackend`` (default) runs it on one
 background thread of the training process. It was measured against ``ProcessBackend`` (a spawned
-writer process reading the arenas from /dev/shm) with ``bench/bench_checkpoint.py``: the
+writer process reading the arenas from /dev/shm) with ``cfdist bench``: the
 hashing (xxhash) and the writes both release the GIL, so the thread costs training no more
 than the process does, while the process needs shared-memory arenas, a second interpreter
 with torch imported and cannot reach ``memory://``. ``ProcessBackend`` stays available for
