@@ -110,7 +110,18 @@ class Controller:
             self.events.emit("nodes_ready", nodes=len(nodes))
         chosen = self._pick_nodes(nodes, size.num_nodes)
         self.decide("group_size", size.reason, nodes=[n.name for n in chosen])
-        choice = choose_restore(self.backend.holdings(), [n.node_id for n in chosen], peer_copy=self.config.peer_copy)
+        try:
+            holdings = self.backend.holdings()
+        except Exception as e:  # noqa: BLE001 - a node's holdings unknown (its actor is starting):
+            # choosing without them could restart from scratch over its newer checkpoints
+            st.stage_failures += 1
+            self.decide("holdings_failed", f"asking the nodes what they hold failed ({type(e).__name__}: {e}); "
+                                           f"asking again", tries=st.stage_failures)
+            if st.stage_failures > 3:
+                return FailedState(FitError(f"could not learn which checkpoints {[n.name for n in chosen]} hold "
+                                            f"after {st.stage_failures} tries: {e}"))
+            return st
+        choice = choose_restore(holdings, [n.node_id for n in chosen], peer_copy=self.config.peer_copy)
         self.decide("restore", choice.reason, step=choice.step, tier=choice.tier,
                     sources={n.name: choice.sources.get(n.node_id) for n in chosen})
         t_stage = self.clock()

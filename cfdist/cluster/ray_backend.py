@@ -159,11 +159,14 @@ class RayBackend:
 
     # ---- the controller's questions ----------------------------------------------------------------
     def holdings(self) -> list[Holding]:
+        usable = self.usable_nodes()
         try:
             # A node without an actor yet (a fresh driver re-running a run_name) may hold that
             # run's checkpoints on its local disk: its actor must be asked too.
-            self._ensure_actors(self.usable_nodes())
+            self._ensure_actors(usable)
         except NodeLost as e:
+            if any(n.node_id not in self.actors and n.node_id not in self.dead for n in usable):
+                raise   # a live node's holdings are unknown: the controller asks again
             log.warning("%s", e)
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for nid in [n for n in self.actors if n not in alive]:
