@@ -3,6 +3,7 @@
 Everything users may import is listed in ``__all__``; anything else can change.
 """
 
+from cfdist import codecs
 from cfdist.api import fit
 from cfdist.checkpoint import AgreementError, CheckpointError, Checkpointer, list_checkpoints, load
 from cfdist.cluster import FitError, FitResult, TrainContext
@@ -14,5 +15,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AgreementError", "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
     "FitError", "FitResult", "ResumableLoader", "ResumableSampler", "TrainContext", "fit",
-    "list_checkpoints", "load", "__version__",
+    "codecs", "list_checkpoints", "load", "__version__",
 ]

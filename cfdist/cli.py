@@ -230,6 +230,16 @@ def split_checkpoint_url(url: str) -> tuple[str, int | None]:
     return (base, step) if step is not None else (url.rstrip("/"), None)
 
 
+def logical_nbytes(t: dict) -> int:
+    """A manifest tensor entry's size before codecs."""
+    import math
+
+    from cfdist.checkpoint.format import ST_TO_TORCH
+
+    lg = t.get("logical")
+    return math.prod(lg["shape"]) * ST_TO_TORCH[lg["dtype"]].itemsize if lg else t["nbytes"]
+
+
 def summarize_manifest(m: dict) -> dict:
     """A short, JSON-able summary of a manifest: sizes per state entry, the small state."""
     per_key: dict[str, list[int]] = {}
@@ -237,7 +247,7 @@ def summarize_manifest(m: dict) -> dict:
         key = name.split("/", 1)[0]
         c = per_key.setdefault(key, [0, 0])
         c[0] += 1
-        c[1] += t["nbytes"]
+        c[1] += logical_nbytes(t)
     skeleton = m.get("skeleton", {})
     late = m.get("late", {})
     return {
@@ -246,6 +256,8 @@ def summarize_manifest(m: dict) -> dict:
         "state": {k: {"tensors": per_key.get(k, [0, 0])[0], "bytes": per_key.get(k, [0, 0])[1]}
                   for k in sorted(set(skeleton) | set(late) | set(per_key)) if not k.startswith("_")},
         "shards": [s["file"] for s in m["shards"]],
+        "codecs": m.get("codecs", []), "bytes_stored": m.get("bytes_stored"),
+        "depends_on": [d[0] for d in m.get("depends_on", [])],
     }
 
 
@@ -284,6 +296,9 @@ def _run_inspect(a) -> int:
     con.print(f"step {summary['step']}, epoch {summary['epoch']}{' (end)' if summary['epoch_end'] else ''}, "
               f"world size {summary['world_size']}, {summary['bytes']:,} bytes in {len(summary['shards'])} "
               f"shard(s), format {summary['format']}" + (", checksums OK" if summary.get("verified") else ""))
+    if summary["codecs"]:
+        con.print(f"codecs {', '.join(c['name'] for c in summary['codecs'])}: {summary['bytes_stored']:,} bytes "
+                  f"stored" + (f", needs steps {summary['depends_on']}" if summary["depends_on"] else ""))
     con.print(t)
     return 0
 

@@ -25,12 +25,14 @@ import json
 import logging
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from cfdist.checkpoint import agreement, discovery, peer, state as st
+from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import (
@@ -129,6 +131,9 @@ class Checkpointer:
         store: the c10d Store ranks agree through (default: torch.distributed's, when
             initialised); needed when ``world_size > 1``.
         lookahead, agree_timeout_s: see :class:`CheckpointerConfig`.
+        codecs: ``cfdist.codecs`` objects that make checkpoints smaller (``Incremental``,
+            ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
+            the plain safetensors format.
     """
 
     Config = CheckpointerConfig
@@ -137,7 +142,8 @@ class Checkpointer:
                  rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
                  backend: str | PersistBackend = "thread", restore_from=None,
                  storage_options: dict | None = None, verify: bool = True, store=None,
-                 lookahead: int = 8, agree_timeout_s: float = 1800.0, persist_timeout_s: float | None = None):
+                 lookahead: int = 8, agree_timeout_s: float = 1800.0, codecs=None,
+                 persist_timeout_s: float | None = None):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
                                          verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s,
@@ -181,7 +187,7 @@ class Checkpointer:
         self._last_return: float | None = None
         self._persist_done: tuple[float, int] | None = None
         self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0,
-                           persist_s=0.0, bytes=0, last_error=None)
+                           persist_s=0.0, bytes=0, last_error=None, bytes_logical=0, bytes_written=0)
         latest = discovery.find_latest([self.storages])
         self.latest_step: int | None = latest.step if latest else None
         self._hooks = []
@@ -194,6 +200,8 @@ class Checkpointer:
                 self._fetch_hooked = True
         self._copies_reported = 0
         self._bind_policy()
+        self.codecs = resolve_codecs(codecs, self.policy, self._read_json(HISTORY))
+        self._codec_session = uuid.uuid4().hex
 
     def _agreement_channel(self, store):
         """This Checkpointer's namespace in the store ranks agree through (None: one process)."""
@@ -401,6 +409,7 @@ class Checkpointer:
             "last_error": s["last_error"], "total_stall_s": s["stall_s"],
             "agreement": self._freq.describe(), "agreement_reads": self._freq.reads,
             "agreement_wait_s": self._channel.waited_s if self._channel is not None else 0.0,
+            "bytes_logical": s["bytes_logical"], "bytes_written": s["bytes_written"],
         }
         extra = getattr(self.policy, "stats", None)
         if callable(extra):
@@ -480,7 +489,8 @@ class Checkpointer:
                         "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"]}
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
-                             arenas=[a.buf for a in self._snap.host])
+                             arenas=[a.buf for a in self._snap.host], codecs=self.codecs,
+                             codec_session=self._codec_session)
             self._inflight = self.backend.submit(job)   # non-blocking by the backend protocol
 
     def _record_error(self, e: BaseException, step: int) -> None:
@@ -549,6 +559,8 @@ class Checkpointer:
         self._stats["checkpoints"] += 1
         self._stats["persist_s"] += info.seconds
         self._stats["bytes"] = info.bytes
+        self._stats["bytes_written"] += info.bytes
+        self._stats["bytes_logical"] += info.bytes_logical if info.bytes_logical is not None else info.bytes
         self._persist_done = (info.seconds, info.bytes)
         self._save_profile()
 

@@ -18,6 +18,7 @@ from cfdist.checkpoint.format import (
     MANIFEST, ST_TO_TORCH, TMP_MARK, CheckpointError, check_seal, parse_safetensors_header, parse_step_dir,
     seal_manifest, step_dir, validate_manifest,
 )
+from cfdist.checkpoint import codecs
 from cfdist.checkpoint.flatten import unflatten
 from cfdist.storage import Storage, open_storages
 
@@ -104,8 +105,9 @@ def read_manifest(storages: list[Storage], step: int) -> dict:
 
 
 def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: bool = True,
-                 names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Read (and checksum) the tensors of a committed checkpoint into fresh CPU tensors."""
+                 names: set[str] | None = None, decode: bool = True) -> dict[str, torch.Tensor]:
+    """Read (and checksum) the tensors of a committed checkpoint into fresh CPU tensors;
+    ``decode=False`` leaves the tensors that codecs encoded as their stored uint8 bytes."""
     out: dict[str, torch.Tensor] = {}
     by_shard: dict[int, list[str]] = {}
     for name, t in manifest["tensors"].items():
@@ -142,7 +144,7 @@ def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: 
                 out[name] = torch.empty(t["shape"], dtype=dtype)
             else:
                 out[name] = torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).reshape(t["shape"])
-    return out
+    return codecs.decode_tensors(storages, step, manifest, out, verify=verify) if decode else out
 
 
 def decode_state(manifest: dict, tensors: dict[str, torch.Tensor], *, where: str) -> tuple[dict, dict]:
@@ -193,8 +195,14 @@ def find_latest(tiers: list[list[Storage]]) -> Candidate | None:
 
 
 def copy_checkpoint(src: list[Storage], step: int, dst: list[Storage]) -> None:
-    """Copy a committed checkpoint between tiers with the same commit protocol (manifest last)."""
+    """Copy a committed checkpoint between tiers with the same commit protocol (manifest last).
+
+    The steps a codec chain needs (``depends_on``) are copied first, unless ``dst`` has them."""
     m = read_manifest(src, step)
+    have = set(committed_steps(dst[0])) if m.get("depends_on") else set()
+    for dep, _ in m.get("depends_on", ()):
+        if dep not in have:
+            copy_checkpoint(src, dep, dst)
     final = step_dir(step)
     staging = {r: dst[r].staging_dir(final) for r in range(len(dst))}
     for sh in m["shards"]:

@@ -13,6 +13,25 @@ little-endian header length, JSON header (padded with spaces to 8 bytes), then t
 bytes back to back, ordered by element size (largest first) so every tensor is aligned.
 The manifest holds the skeleton of the state, every tensor's shard/offset/dtype/shape and its
 xxh3-64 checksum, and the small state (iterator, RNG, scheduler, step, epoch).
+
+**Codecs** (``Checkpointer(codecs=[...])``, :mod:`cfdist.checkpoint.codecs`). Without codecs
+the format above is unchanged, byte for byte. With codecs, an encoded tensor stays in the same
+shard, as a 1-D ``U8`` tensor of its encoded bytes (so the shard is still a valid safetensors
+file, and offsets, sizes and checksums in the manifest describe the stored bytes as for any
+tensor); its manifest entry adds::
+
+    "codecs":  [{"name": "incremental", "ref": 1190, "ref_id": "...", ...},
+                {"name": "quantize", "bits": 8, ...}, {"name": "zstd", "level": 3, "nbytes": ...}]
+    "parts":   [[part name, numpy dtype, shape, offset, nbytes], ...]   # the payload's layout
+    "logical": {"dtype": "F32", "shape": [1000000, 64]}                 # what decoding returns
+
+Decoding applies the codecs in reverse order (zstd first); ``parts`` names only numeric numpy
+dtypes. The manifest also gains ``ckpt_id`` (a random id: a chain refers to a step *and* its
+id, so a step replaced by another run is never mistaken for the one encoded against),
+``depends_on`` (``[[step, ckpt_id], ...]``: every checkpoint a restore of this one reads;
+retention keeps them), ``codecs`` (the codecs and parameters of the Checkpointer) and
+``bytes_stored``. ``safetensors.torch.load_file`` still opens such a shard, but encoded tensors
+come out as their uint8 bytes: read them with ``cfdist.load``.
 """
 
 from __future__ import annotations

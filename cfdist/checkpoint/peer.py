@@ -16,7 +16,7 @@ import uuid
 
 import torch
 
-from cfdist.checkpoint.format import MANIFEST, step_dir
+from cfdist.checkpoint.format import MANIFEST, CheckpointError, parse_step_dir, step_dir
 from cfdist.storage import Storage, open_storages
 
 CHUNK = 256 << 20
@@ -32,12 +32,16 @@ def _device():
 
 
 def _bundle(storages: list[Storage], step: int) -> bytes:
-    """The step's files as one blob: 8-byte header length, JSON index, contents back to back."""
-    d = step_dir(step)
-    manifest = storages[0].read_bytes(f"{d}/{MANIFEST}")
-    files = [(0, MANIFEST, manifest)]
-    for sh in json.loads(manifest)["shards"]:
-        files.append((sh["root"], sh["file"], storages[sh["root"]].read_bytes(f"{d}/{sh['file']}")))
+    """The step's files (and those of the steps its codec chain depends on) as one blob:
+    8-byte header length, JSON index, contents back to back."""
+    top = storages[0].read_bytes(f"{step_dir(step)}/{MANIFEST}")
+    files = []
+    for s in [d[0] for d in json.loads(top).get("depends_on", ())] + [step]:
+        d = step_dir(s)
+        manifest = top if s == step else storages[0].read_bytes(f"{d}/{MANIFEST}")
+        files.append((0, f"{d}/{MANIFEST}", manifest))
+        for sh in json.loads(manifest)["shards"]:
+            files.append((sh["root"], f"{d}/{sh['file']}", storages[sh["root"]].read_bytes(f"{d}/{sh['file']}")))
     index = json.dumps([[root, name, len(data)] for root, name, data in files]).encode()
     return b"".join([struct.pack("<Q", len(index)), index] + [data for _, _, data in files])
 
@@ -47,12 +51,15 @@ def _unbundle(blob: bytes, step: int) -> list[Storage]:
     index = json.loads(blob[8:8 + n])
     base = f"memory:///cfdist-peer-{uuid.uuid4().hex}"
     storages = open_storages([f"{base}/root{r}" for r in range(1 + max(r for r, _, _ in index))])
-    d, files, pos = step_dir(step), [], 8 + n
+    files, pos = [], 8 + n
     for root, name, size in index:
+        step_name, _, file = name.partition("/")
+        if parse_step_dir(step_name) is None or "/" in file or file in ("", ".", ".."):
+            raise CheckpointError(f"a peer sent step {step} with an unexpected file name {name!r}")
         files.append((root, name, blob[pos:pos + size]))
         pos += size
-    for root, name, data in sorted(files, key=lambda f: f[1] == MANIFEST):   # the manifest last
-        storages[root].write_file(f"{d}/{name}", [data])
+    for root, name, data in sorted(files, key=lambda f: f[1].endswith(MANIFEST)):   # manifests last
+        storages[root].write_file(name, [data])
     return storages
 
 
@@ -81,8 +88,9 @@ def broadcast_checkpoint(step: int, src: int, storages: list[Storage] | None, *,
 
 
 def forget(storages: list[Storage], step: int) -> None:
-    """Drop a received copy from memory."""
+    """Drop a received copy (and the chain it came with) from memory."""
     for st in storages:
-        if st.exists(step_dir(step)):
-            st.remove(step_dir(step))
+        for name in st.listdir(""):
+            if parse_step_dir(name) is not None:
+                st.remove(name)
 

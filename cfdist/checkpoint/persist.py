@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cfdist.checkpoint import retention
+from cfdist.checkpoint import codecs, retention
 from cfdist.checkpoint.format import (
     FORMAT, MANIFEST, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
 )
@@ -97,6 +97,10 @@ class PersistJob:
     """In-process arenas (uint8 tensors); dropped when pickled."""
     gate: "CommitGate | None" = None
     """Set by a backend that can give the write up: claimed by the writer before it commits."""
+    codecs: tuple = ()
+    """``cfdist.codecs`` to encode with (empty: the plain format)."""
+    codec_session: str | None = None
+    """Id of the Checkpointer: chain codecs keep references per storage and session."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -115,6 +119,8 @@ class CommitInfo:
     bytes: int
     seconds: float
     deleted: tuple[int, ...] = ()
+    bytes_logical: int | None = None
+    """Bytes of the tensors before codecs (``bytes`` is what the shard files hold)."""
 
 
 # ---- who decides a persist's fate: the writer (commit) or the waiter (abandon) ------------------
@@ -196,11 +202,13 @@ def _claim_commit(job: PersistJob) -> None:
                                f"commit; not committing it")
 
 
-def _shard_chunks(header: bytes, arena: np.ndarray, entries: list[TensorEntry], sums: dict):
+def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorEntry], sums: dict,
+                  buffers: list | None = None):
+    """The shard's bytes in chunks: each entry's slice of ``arena``, or its buffer in ``buffers``."""
     yield header
-    for e in entries:
+    for k, e in enumerate(entries):
+        mv = memoryview(arena[e.offset:e.offset + e.nbytes]) if buffers is None else buffers[k]
         h = xxhash.xxh3_64()
-        mv = memoryview(arena[e.offset:e.offset + e.nbytes])
         for i in range(0, e.nbytes, _CHUNK):
             c = mv[i:i + _CHUNK]
             h.update(c)
@@ -239,16 +247,18 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]
     staging = {r: storages[r].staging_dir(final) for r in {s.root for s in job.shards} | {0}}
     sums: dict[str, str] = {}
+    enc = codecs.begin(storages, job.step, job.codecs, job.codec_session)
+    written: dict[int, codecs.EncodedShard] = {}
 
     def write_root(r: int) -> int:
         n = 0
         for s in job.shards:
             if s.root != r:
                 continue
-            arr = arenas[s.index].numpy()
-            hdr = safetensors_header(s.entries, {"format": "pt", "step": str(job.step)})
+            sh = written[s.index] = codecs.encode_shard(enc, s.entries, arenas[s.index].numpy())
+            hdr = safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)})
             n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}",
-                                        _shard_chunks(hdr, arr, s.entries, sums))
+                                        _shard_chunks(hdr, None, sh.entries, sums, sh.buffers))
         storages[r].fsync_dir(staging[r])
         return n
 
@@ -264,10 +274,13 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     manifest = dict(job.manifest)
     manifest.update(
         format=FORMAT, step=job.step, time=time.time(), bytes=job.nbytes, roots=len(storages),
-        shards=[{"file": shard_name(s.index, s.count), "root": s.root, "bytes": s.nbytes}
+        shards=[{"file": shard_name(s.index, s.count), "root": s.root, "bytes": written[s.index].nbytes}
                 for s in job.shards],
-        tensors={e.name: e.to_json(sums[e.name]) for s in job.shards for e in s.entries},
+        tensors={e.name: {**e.to_json(sums[e.name]), **written[s.index].extra.get(e.name, {})}
+                 for s in job.shards for e in written[s.index].entries},
     )
+    if enc is not None:
+        manifest.update(enc.manifest_fields())
     if storages[0].atomic_rename:
         storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])
         storages[0].fsync_dir(staging[0])
@@ -276,13 +289,15 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     else:
         _claim_commit(job)
         storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])  # == COMMIT
+    if enc is not None:
+        enc.commit()   # chain codecs' references now point at this checkpoint
     seconds = time.perf_counter() - t0
     _write_hint(storages[0], job.step)
     deleted = retention.apply(storages, keep=job.keep, keep_epoch_ends=job.keep_epoch_ends,
                               newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")))
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
     return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total, seconds=seconds,
-                      deleted=tuple(deleted))
+                      deleted=tuple(deleted), bytes_logical=job.nbytes)
 
 
 # ---- backends ----------------------------------------------------------------------------------

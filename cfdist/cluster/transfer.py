@@ -47,13 +47,14 @@ def freeze(storages: list[Storage], step: int) -> Frozen:
 
     Raises ``CheckpointError``/``FileNotFoundError`` if the step is not (or no longer) committed.
     """
-    m = read_manifest(storages, step)
-    d = step_dir(step)
     out: Frozen = [{} for _ in storages]
-    out[0][f"{d}/{MANIFEST}"] = storages[0].read_bytes(f"{d}/{MANIFEST}")
-    for sh in m["shards"]:
-        rel = f"{d}/{sh['file']}"
-        out[sh["root"]][rel] = storages[sh["root"]].read_bytes(rel)
+    m = read_manifest(storages, step)
+    for s in [step] + [d[0] for d in m.get("depends_on", ())]:   # a codec chain travels whole
+        d = step_dir(s)
+        out[0][f"{d}/{MANIFEST}"] = storages[0].read_bytes(f"{d}/{MANIFEST}")
+        for sh in (m if s == step else read_manifest(storages, s))["shards"]:
+            rel = f"{d}/{sh['file']}"
+            out[sh["root"]][rel] = storages[sh["root"]].read_bytes(rel)
     return out
 
 
