@@ -371,6 +371,14 @@ def declare_timeout(pending, timeout_s: float, where: str) -> PersistTimeout | N
         return None
     abandon = getattr(pending, "abandon", None)
     if abandon is None or not abandon():
+        if not getattr(pending, "_timeout_noted", False):   # once per persist
+            try:
+                pending._timeout_noted = True
+            except AttributeError:
+                pass
+            log.warning("persisting step %d to %s runs past persist_timeout_s=%s but cannot be given up (it is "
+                        "past its commit point, or %s cannot give writes up); waiting for it",
+                        pending.step, where, timeout_s, type(pending).__name__)
         return None
     log.error("persisting step %d to %s did not finish within persist_timeout_s=%s: declared failed; its "
               "writer can no longer commit it", pending.step, where, timeout_s)
