@@ -182,6 +182,8 @@ def _register_ls(sub) -> None:
     p = sub.add_parser("ls", help="list the committed checkpoints of a storage URL")
     p.add_argument("storage", help="URL of a run directory (file://..., s3://...)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--all", action="store_true", help="also the checkpoints moved aside under rejected/ "
+                   "(a run rolled back past them); cfdist.load(url, step=N) still reads them")
     p.set_defaults(run=_run_ls)
 
 
@@ -192,22 +194,24 @@ def _run_ls(a) -> int:
     from rich.table import Table
 
     from cfdist.checkpoint import list_checkpoints
+    from cfdist.storage.redact import redact_url
 
-    rows = list_checkpoints(a.storage)
+    rows = list_checkpoints(a.storage, include_rejected=a.all)
     if a.json:
         for r in rows:
             print(json.dumps(r))
         return 0
     if not rows:
-        print(f"no committed checkpoint in {a.storage}")
+        print(f"no committed checkpoint in {redact_url(a.storage)}")
         return 1
-    t = Table(title=a.storage)
-    for col in ("step", "epoch", "epoch end", "committed", "bytes", "url"):
+    t = Table(title=redact_url(a.storage))
+    for col in ("step", "epoch", "epoch end", "committed", "bytes", "url") + (("moved aside because",) if a.all else ()):
         t.add_column(col)
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r.get("time") else "-"
+        why = (r["rejected"].get("why") or "?") if "rejected" in r else ""
         t.add_row(str(r["step"]), str(r["epoch"]), "yes" if r["epoch_end"] else "", when,
-                  f"{r['bytes']:,}" if r.get("bytes") is not None else "-", r["url"])
+                  f"{r['bytes']:,}" if r.get("bytes") is not None else "-", r["url"], *((why,) if a.all else ()))
     Console().print(t)
     return 0
 
@@ -274,7 +278,7 @@ def _run_inspect(a) -> int:
     if step is None:
         steps = committed_steps(sts[0])
         if not steps:
-            return _fail(f"no committed checkpoint in {root}")
+            return _fail(f"no committed checkpoint in {sts[0].url}")
         step = steps[-1]
     try:
         summary = summarize_manifest(read_manifest(sts, step))
@@ -286,7 +290,7 @@ def _run_inspect(a) -> int:
     if a.json:
         print(json.dumps(summary))
         return 0
-    t = Table(title=f"{root}/step-{step:09d}")
+    t = Table(title=f"{sts[0].url}/step-{step:09d}")
     t.add_column("state entry")
     t.add_column("tensors", justify="right")
     t.add_column("bytes", justify="right")

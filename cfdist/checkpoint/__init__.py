@@ -8,6 +8,9 @@ from cfdist.checkpoint.checkpointer import Checkpointer, CheckpointerConfig
 from cfdist.checkpoint.discovery import list_checkpoints, load
 from cfdist.checkpoint.format import CheckpointError
 from cfdist.checkpoint.persist import CommitInfo, PersistBackend, PersistJob, write_checkpoint
+from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
+from cfdist.checkpoint.roots import StripeSetError
 
 __all__ = ["AgreementError", "Checkpointer", "CheckpointerConfig", "CheckpointError", "CommitInfo", "PersistBackend",
-           "PersistJob", "list_checkpoints", "load", "write_checkpoint"]
+           "PersistJob", "RetryPolicy", "StorageUnavailable", "StripeSetError", "list_checkpoints", "load",
+           "write_checkpoint"]

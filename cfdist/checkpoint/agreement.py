@@ -237,9 +237,10 @@ def agree_restore(channel: Channel | None, *, held: list[int], want: int | None,
 
     ``held``: the committed steps this rank lists; ``try_load(step)`` loads and verifies one
     (keeping it to apply) and returns None or why it is unusable (an older step may do), or
-    raises ``CheckpointError`` when no step can do (it does not fit the live objects: every rank
-    then raises, naming this one); ``fetch(step, src, need)``: a collective every rank calls that
-    copies ``step`` from rank ``src`` to the ranks with ``need`` (after which their ``try_load``
+    raises ``CheckpointError`` when no step can do (it does not fit the live objects), or an
+    ``OSError`` when its storage stays down (the step may be intact: nothing is rolled back past
+    it); every rank then raises, naming this one. ``fetch(step, src, need)``: a collective every
+    rank calls that copies ``step`` from rank ``src`` to the ranks with ``need`` (after which their ``try_load``
     finds it); ``call``: this Checkpointer's restore count (a fresh namespace per call).
 
     Every rank calls it once per ``restore``, with the same ``want``. Candidates are the steps
@@ -293,7 +294,7 @@ def _try_everywhere(channel: Channel | None, key: str, step: int, try_load) -> d
     hard = None
     try:
         mine = [try_load(step), False]
-    except CheckpointError as e:
+    except (CheckpointError, OSError) as e:   # OSError: storage still down after the retries
         hard, mine = e, [str(e), True]
     if channel is None:
         if hard is not None:

@@ -3,16 +3,16 @@
 :func:`write_checkpoint` is the whole protocol and runs in any process (the training process's
 writer thread, a writer subprocess, a Ray node actor):
 
-0. a step directory of the same number, left by a run that rolled back past it, is un-committed
-   and removed (the previous checkpoint, older, stays);
+0. a committed step directory of the same number, left by a run that rolled back past it, is
+   moved aside to ``rejected/`` (never deleted; an uncommitted leftover is removed);
 1. every shard is streamed from its arena into ``<staging>/shard-i-of-n.safetensors`` on its
    root (roots in parallel), computing each tensor's xxh3-64 on the way; files are fsynced;
 2. the secondary roots' step directories are published (a rename locally);
 3. ``MANIFEST.json`` is written into root 0's staging directory and fsynced, and that directory
    is published: **this is the commit**. On object stores there is no rename: the manifest
    PUT, written last, is the commit marker;
-4. only then retention deletes older checkpoints (never the one just committed), and newer-
-   numbered ones of a rolled-back run.
+4. only then retention deletes older checkpoints of the same lineage (never the one just
+   committed) and moves the ones it does not descend from aside.
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cfdist.checkpoint import codecs, retention
+from cfdist.checkpoint import codecs, rejected, retention
 from cfdist.checkpoint.format import (
     FORMAT, MANIFEST, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
 )
@@ -97,6 +97,8 @@ class PersistJob:
     """In-process arenas (uint8 tensors); dropped when pickled."""
     gate: "CommitGate | None" = None
     """Set by a backend that can give the write up: claimed by the writer before it commits."""
+    rolled_back: dict[int, str] | None = None
+    """Why restore rolled back past some committed steps (recorded when they are moved aside)."""
     codecs: tuple = ()
     """``cfdist.codecs`` to encode with (empty: the plain format)."""
     codec_session: str | None = None
@@ -237,11 +239,10 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     final = step_dir(job.step)
     if job.gate is not None and job.gate.abandoned():
         raise PersistAbandoned(f"persist of step {job.step} was given up before it started")
-    if any(st.exists(final) for st in storages):
-        # Left by a run that rolled back past this step (restore rejected or skipped it): it
-        # would block the publish, and on object stores new shards would land under its manifest.
-        log.warning("replacing step %d in %s, left by a run that rolled back past it", job.step, storages[0].url)
-        retention.delete_checkpoint(storages, job.step)
+    # Left by a run that rolled back past this step: it would block the publish, and on object
+    # stores new shards would land under its manifest. Moved aside, never deleted.
+    rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
+        job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
     arenas = job.arenas
     if arenas is None:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]
@@ -294,7 +295,8 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     seconds = time.perf_counter() - t0
     _write_hint(storages[0], job.step)
     deleted = retention.apply(storages, keep=job.keep, keep_epoch_ends=job.keep_epoch_ends,
-                              newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")))
+                              newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")),
+                              reasons=job.rolled_back)
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
     return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total, seconds=seconds,
                       deleted=tuple(deleted), bytes_logical=job.nbytes)

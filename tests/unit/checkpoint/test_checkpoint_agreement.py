@@ -117,3 +117,38 @@ def test_old_manifests_with_one_rng_still_load():
     assert torch.equal(st.rank_rng_state(single, 1, where="t")["torch"], st.derived_rng_state(6, 1, 4)["torch"])
     with pytest.raises(cfdist.CheckpointError, match="RNG states are malformed"):
         st.rank_rng_state({"step": 4, "rngs": [{"torch": 3}], "world_size": 2}, 1, where="t")
+
+
+def test_a_storage_error_on_one_rank_stops_every_rank_instead_of_rolling_back():
+    """Transient is not corrupt, across ranks: rank 1's storage stays down while reading step 40
+    (StorageUnavailable after its retries). Faked: that error. The point: no rank moves on to
+    step 35; rank 1 raises its StorageUnavailable, rank 0 a CheckpointError naming rank 1 and 40."""
+    import threading
+
+    from cfdist.checkpoint.format import CheckpointError
+    from cfdist.checkpoint.retry import StorageUnavailable
+
+    store = dist.HashStore()
+    tried = {0: [], 1: []}
+    out = {}
+
+    def run(r):
+        def try_load(step):
+            tried[r].append(step)
+            if r == 1:
+                raise StorageUnavailable(5, f"reading step {step} from file:///x failed 4 time(s)")
+            return None
+        try:
+            out[r] = agree_restore(Channel(store, rank=r, world_size=2, timeout_s=10), held=[35, 40], want=None,
+                                   try_load=try_load, call=1)
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert isinstance(out[1], StorageUnavailable)
+    assert isinstance(out[0], CheckpointError) and "rank 1 cannot restore step 40" in str(out[0])
+    assert tried == {0: [40], 1: [40]}
