@@ -35,7 +35,9 @@ from cfdist.checkpoint import agreement, discovery, peer, retention, roots, stat
 from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
-from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
+from cfdist.checkpoint.persist import (
+    PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend, declare_timeout,
+)
 from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement
@@ -62,6 +64,12 @@ class CheckpointerConfig:
     """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
     verify: bool = True
     """Check every tensor's checksum on restore."""
+    persist_timeout_s: float | None = None
+    """Give a persist up after this many seconds (a hung disk or object store): it counts as
+    failed (``stats``, log, ``wait()``), its writer can no longer commit it, training goes on,
+    and the next checkpoint is written by a fresh writer into fresh snapshot buffers (the hung
+    writer keeps the old ones: one state's size of host memory per hung write). None: wait
+    forever. Applies to the ``"thread"`` and ``"process"`` backends."""
     read_retry: RetryPolicy = RetryPolicy()
     """How storage errors while listing or reading checkpoints are retried before restore raises
     (they never make it fall back to an older checkpoint; see :mod:`cfdist.checkpoint.retry`)."""
@@ -85,6 +93,10 @@ class CheckpointerConfig:
                              f"checkpoints to keep; True keeps all, False none), got {self.keep_epoch_ends!r}")
         if self.backend not in ("thread", "process"):
             raise ValueError(f"backend must be 'thread' or 'process', got {self.backend!r}")
+        t = self.persist_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"persist_timeout_s must be a number of seconds > 0, or None to wait forever; "
+                             f"got {t!r}")
         if not isinstance(self.read_retry, RetryPolicy):
             raise TypeError(f"read_retry must be a cfdist.checkpoint.retry.RetryPolicy, got {self.read_retry!r}")
 
@@ -127,6 +139,8 @@ class Checkpointer:
         restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
             e.g. an in-memory tier before and a shared tier after the node-local one.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        persist_timeout_s: give a hung persist up after this many seconds (see
+            :class:`CheckpointerConfig`); default: wait forever.
         read_retry: a :class:`~cfdist.checkpoint.retry.RetryPolicy` for storage errors while
             restoring (default: 4 tries over about 1.75 s).
         store: the c10d Store ranks agree through (default: torch.distributed's, when
@@ -150,11 +164,11 @@ class Checkpointer:
                  backend: str | PersistBackend = "thread", restore_from=None,
                  storage_options: dict | None = None, verify: bool = True, store=None,
                  lookahead: int = 8, agree_timeout_s: float = 1800.0, codecs=None,
-                 read_retry: RetryPolicy | None = None):
+                 read_retry: RetryPolicy | None = None, persist_timeout_s: float | None = None):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
                                          verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s,
-                                         read_retry=read_retry or RetryPolicy())
+                                         read_retry=read_retry or RetryPolicy(), persist_timeout_s=persist_timeout_s)
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
@@ -172,6 +186,9 @@ class Checkpointer:
                                             if backend == "process" else ThreadBackend(self.storages))
         else:
             self.backend = backend
+            if persist_timeout_s is not None and not isinstance(backend, (ThreadBackend, ProcessBackend)):
+                log.warning("persist_timeout_s=%s has no effect with %s: only the 'thread' and 'process' "
+                            "backends can give a hung write up", persist_timeout_s, type(backend).__name__)
         self._channel, self._rngx = self._agreement_channel(store), None
         self._freq = agreement.Frequency(self._channel, rank=self.rank, lookahead=self.config.lookahead)
         if self._channel is not None:
@@ -539,8 +556,50 @@ class Checkpointer:
                   "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url,
                   redact(e), self.latest_step)
 
+    def _wait_inflight(self) -> None:
+        """Block until the in-flight persist finished or, past ``persist_timeout_s``, was given up.
+
+        Its error is not raised here: :meth:`_harvest` records it.
+        """
+        p, t = self._inflight, self.config.persist_timeout_s
+        if p is None:
+            return
+        if t is not None and getattr(p, "submitted", None) is not None:
+            while not p.done():
+                left = t - (time.monotonic() - p.submitted)
+                if left <= 0:
+                    if self._expire_inflight():
+                        return
+                    break   # past its commit point (or not abandonable): wait it out
+                try:
+                    p.wait(left)
+                except Exception:  # noqa: BLE001 - the persist's own error is recorded by _harvest
+                    pass
+            if p.done():
+                return
+        try:
+            p.wait()
+        except Exception:  # noqa: BLE001 - recorded by _harvest
+            pass
+
+    def _expire_inflight(self) -> bool:
+        """Give the in-flight persist up if it ran past ``persist_timeout_s``; True if it was."""
+        p, t = self._inflight, self.config.persist_timeout_s
+        if p is None or t is None:
+            return False
+        err = declare_timeout(p, t, self.storages[0].url)
+        if err is None:
+            return False
+        with self._lock:
+            if self._inflight is p:
+                self._inflight = None
+        self._snap.retire_host_arenas()   # the hung writer may still read them
+        self._record_error(err, p.step)
+        return True
+
     def _harvest(self) -> None:
-        """Collect a finished persist (non-blocking)."""
+        """Collect a finished persist (non-blocking); give up one past ``persist_timeout_s``."""
+        self._expire_inflight()
         with self._lock:   # the snapshot thread may be recording the next persist
             p = self._inflight
             if p is None or not p.done():

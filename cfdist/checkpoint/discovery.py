@@ -29,13 +29,40 @@ from cfdist.storage import Storage, open_storages
 log = logging.getLogger("cfdist.discovery")
 
 
+LATEST_HINT = "LATEST.json"
+"""Written (atomically, best effort) after each commit: ``{"step": N}``. Only a hint: a step
+counts only if its manifest exists. It lets discovery see a commit that a lagging object-store
+listing does not show yet (listings may lag behind writes; reading a key does not)."""
+
+
+def is_committed(storage: Storage, step: int) -> bool:
+    """Whether ``step`` has a manifest on this (root-0) storage: asks for the key itself, so it is
+    right even while a listing lags behind writes. Use it to check the step just written."""
+    return storage.exists(f"{step_dir(step)}/{MANIFEST}")
+
+
+def _hinted_step(storage: Storage) -> int | None:
+    try:
+        step = json.loads(storage.read_bytes(LATEST_HINT)).get("step")
+    except (OSError, ValueError, AttributeError):   # missing, unreadable, malformed: no hint
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
 def committed_steps(storage: Storage) -> list[int]:
-    """Steps with a manifest on this (root-0) storage, oldest first."""
-    steps = []
+    """Steps with a manifest on this (root-0) storage, oldest first.
+
+    The listing plus the step named by :data:`LATEST_HINT` when its manifest exists, so that a
+    commit a lagging listing hides is not taken for a missing checkpoint.
+    """
+    steps = set()
     for name in storage.listdir(""):
         s = parse_step_dir(name)
         if s is not None and storage.exists(f"{name}/{MANIFEST}"):
-            steps.append(s)
+            steps.add(s)
+    hinted = _hinted_step(storage)
+    if hinted is not None and hinted not in steps and is_committed(storage, hinted):
+        steps.add(hinted)
     return sorted(steps)
 
 
@@ -56,8 +83,9 @@ def sweep(storages: list[Storage]) -> list[str]:
     for st in storages:
         for name in st.listdir(""):
             step = parse_step_dir(name)
-            if TMP_MARK in name and parse_step_dir(name.split(TMP_MARK)[0]) is not None:
-                st.remove(name)
+            if TMP_MARK in name and (parse_step_dir(name.split(TMP_MARK)[0]) is not None
+                                     or name.split(TMP_MARK)[0].endswith(".json")):
+                st.remove(name)   # a staging dir, or the tmp file of a small write_atomic (hint, history)
                 removed.append(st.url_of(name))
             elif step is not None and not storages[0].exists(f"{name}/{MANIFEST}"):
                 st.remove(name)

@@ -16,6 +16,16 @@ writer thread, a writer subprocess, a Ray node actor):
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
+**Hung writes.** A write that blocks (a dead NFS server, an object store that stops answering)
+is given up after the Checkpointer's ``persist_timeout_s``: the waiter :meth:`CommitGate.abandon`\ s
+the job's gate, and the writer must :meth:`CommitGate.claim` that same gate right before its
+commit point, so exactly one of them wins. A writer that wakes up after it was given up finds the
+gate taken and raises :class:`PersistAbandoned` instead of committing (nor does it run retention),
+so a checkpoint declared failed can never appear later, nor delete newer ones. The backend then
+writes the next job on a fresh thread (or a fresh writer process; the hung one is killed), and
+the Checkpointer snapshots into fresh arenas, because the hung writer may still read the old
+ones: each hung write pins one set of arenas (the state's size in host memory) until it returns.
+
 Backends decide *where* that function runs. ``ThreadBackend`` (default) runs it on one
 background thread of the training process. It was measured against ``ProcessBackend`` (a spawned
 writer process reading the arenas from /dev/shm) with ``cfdist bench``: the
@@ -27,11 +37,20 @@ stores whose client holds the GIL while uploading.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
+import glob
 import json
 import logging
 import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
 import time
+import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,6 +96,8 @@ class PersistJob:
     """How many of the most recent epoch-end checkpoints retention keeps (True: all)."""
     arenas: list[torch.Tensor] | None = field(default=None, repr=False)
     """In-process arenas (uint8 tensors); dropped when pickled."""
+    gate: "CommitGate | None" = None
+    """Set by a backend that can give the write up: claimed by the writer before it commits."""
     rolled_back: dict[int, str] | None = None
     """Why restore rolled back past some committed steps (recorded when they are moved aside)."""
     codecs: tuple = ()
@@ -105,6 +126,85 @@ class CommitInfo:
     """Bytes of the tensors before codecs (``bytes`` is what the shard files hold)."""
 
 
+# ---- who decides a persist's fate: the writer (commit) or the waiter (abandon) ------------------
+
+class PersistAbandoned(RuntimeError):
+    """Raised by a writer that reached its commit point after its persist was given up."""
+
+
+class CommitGate:
+    """A persist's one-time decision: its writer commits, or its waiter abandons it; never both.
+
+    The writer calls :meth:`claim` right before its commit point and commits only if it
+    returns True; the waiter calls :meth:`abandon` when the persist timed out, and may declare
+    it failed only if that returns True. Whichever comes first wins, atomically; both calls
+    are idempotent for their own side. ``path=None``: within one process (a lock). With a
+    ``path`` (a file that must not exist yet, on a local filesystem both processes see): across
+    processes, through an atomic ``link``; the gate pickles. :meth:`close` removes the file.
+    """
+
+    COMMIT, ABANDON = "commit", "abandon"
+
+    def __init__(self, path: str | None = None):
+        self.path = path
+        self._lock = threading.Lock() if path is None else None
+        self._owner: str | None = None
+
+    def __getstate__(self):
+        if self.path is None:
+            raise TypeError("an in-process CommitGate cannot be pickled; give it a path to cross processes")
+        return {"path": self.path, "_lock": None, "_owner": None}
+
+    def _take(self, who: str) -> bool:
+        if self.path is None:
+            with self._lock:
+                if self._owner is None:
+                    self._owner = who
+                return self._owner == who
+        tmp = f"{self.path}.{who}-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "w") as f:
+            f.write(who)
+        try:
+            os.link(tmp, self.path)   # atomic: fails if the other side got there first
+            return True
+        except FileExistsError:
+            with open(self.path) as f:
+                return f.read() == who
+        finally:
+            os.unlink(tmp)
+
+    def claim(self) -> bool:
+        """Writer, right before committing: True = go ahead; False = given up, do not commit."""
+        return self._take(self.COMMIT)
+
+    def abandon(self) -> bool:
+        """Waiter, on timeout: True = the writer can never commit; False = it is committing."""
+        return self._take(self.ABANDON)
+
+    def abandoned(self) -> bool:
+        """Whether the waiter gave up already (a hint for the writer; :meth:`claim` decides)."""
+        if self.path is None:
+            return self._owner == self.ABANDON
+        try:
+            with open(self.path) as f:
+                return f.read() == self.ABANDON
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def _claim_commit(job: PersistJob) -> None:
+    if job.gate is not None and not job.gate.claim():
+        raise PersistAbandoned(f"persist of step {job.step} was given up (timed out) before it could "
+                               f"commit; not committing it")
+
+
 def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorEntry], sums: dict,
                   buffers: list | None = None):
     """The shard's bytes in chunks: each entry's slice of ``arena``, or its buffer in ``buffers``."""
@@ -119,6 +219,17 @@ def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorE
         sums[e.name] = h.hexdigest()
 
 
+def _write_hint(storage: Storage, step: int) -> None:
+    """Record the step just committed for discovery behind a lagging listing (best effort)."""
+    from cfdist.checkpoint.discovery import LATEST_HINT
+
+    try:
+        storage.write_atomic(LATEST_HINT, json.dumps({"step": step}).encode())
+    except OSError as e:
+        log.warning("could not write %s in %s after committing step %d: %s (only a hint)",
+                    LATEST_HINT, storage.url, step, e)
+
+
 def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     """Persist ``job`` striped over ``storages`` (root 0 holds the manifest) and commit it.
 
@@ -127,6 +238,8 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     """
     t0 = time.perf_counter()
     final = step_dir(job.step)
+    if job.gate is not None and job.gate.abandoned():
+        raise PersistAbandoned(f"persist of step {job.step} was given up before it started")
     # Left by a run that rolled back past this step: it would block the publish, and on object
     # stores new shards would land under its manifest. Moved aside, never deleted.
     rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
@@ -170,12 +283,18 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     )
     if enc is not None:
         manifest.update(enc.manifest_fields())
-    storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])
-    storages[0].fsync_dir(staging[0])
-    storages[0].publish(staging[0], final)  # == COMMIT
+    if storages[0].atomic_rename:
+        storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])
+        storages[0].fsync_dir(staging[0])
+        _claim_commit(job)
+        storages[0].publish(staging[0], final)  # == COMMIT
+    else:
+        _claim_commit(job)
+        storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])  # == COMMIT
     if enc is not None:
         enc.commit()   # chain codecs' references now point at this checkpoint
     seconds = time.perf_counter() - t0
+    _write_hint(storages[0], job.step)
     deleted = retention.apply(storages, keep=job.keep, keep_epoch_ends=job.keep_epoch_ends,
                               newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")),
                               reasons=job.rolled_back)
@@ -187,23 +306,98 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
 # ---- backends ----------------------------------------------------------------------------------
 
 class Pending(Protocol):
+    step: int
+
     def done(self) -> bool: ...
 
     def wait(self, timeout: float | None = None) -> CommitInfo: ...
 
 
-class FuturePending:
-    """A pending persist: ``wait()`` returns its CommitInfo or re-raises its error."""
+class PersistTimeout(TimeoutError):
+    """A persist did not finish within ``persist_timeout_s`` and was declared failed."""
 
-    def __init__(self, fut: cf.Future, step: int):
+
+class FuturePending:
+    """A pending persist: ``wait()`` returns its CommitInfo or re-raises its error.
+
+    ``wait(timeout)`` raises ``TimeoutError`` when the persist is still running after
+    ``timeout`` seconds. With a ``gate`` the persist can be given up (:meth:`abandon`);
+    ``on_abandon`` then lets the backend move the next job to a fresh writer.
+    """
+
+    def __init__(self, fut: cf.Future, step: int, gate: CommitGate | None = None, on_abandon=None,
+                 after: cf.Future | None = None):
         self._fut = fut
         self.step = step
+        self._t = time.monotonic()
+        self._after = after
+        self._after_done: float | None = None
+        if after is not None:
+            after.add_done_callback(lambda f: setattr(self, "_after_done", time.monotonic()))
+        self._gate = gate
+        self._on_abandon = on_abandon
+        if gate is not None:
+            fut.add_done_callback(lambda f: gate.close() if not gate.abandoned() else None)
+
+    @property
+    def submitted(self) -> float:
+        """``time.monotonic()`` from which the timeout counts: the submission, or when the
+        writer it waits for (``after``: a writer process starting) became ready."""
+        if self._after is None:
+            return self._t
+        if self._after_done is None:
+            return time.monotonic()   # the writer is still starting: the write has not begun
+        return max(self._t, self._after_done)
 
     def done(self) -> bool:
         return self._fut.done()
 
     def wait(self, timeout: float | None = None) -> CommitInfo:
         return self._fut.result(timeout)
+
+    def abandon(self) -> bool:
+        """Give the persist up: True when its writer can no longer commit (it was not
+        committing yet); False when it already passed its commit point (wait for it), or when
+        this backend cannot give writes up."""
+        if self._gate is None or not self._gate.abandon():
+            return False
+        if self._on_abandon is not None:
+            self._on_abandon(self)
+        return True
+
+
+def declare_timeout(pending, timeout_s: float, where: str) -> PersistTimeout | None:
+    """Give ``pending`` up if it ran ``timeout_s`` seconds or more: the error to record, or None
+    (not due yet, finished, already committing, or a backend that cannot give writes up)."""
+    started = getattr(pending, "submitted", None)
+    if started is None or pending.done() or time.monotonic() - started < timeout_s:
+        return None
+    abandon = getattr(pending, "abandon", None)
+    if abandon is None or not abandon():
+        if not getattr(pending, "_timeout_noted", False):   # once per persist
+            try:
+                pending._timeout_noted = True
+            except AttributeError:
+                pass
+            log.warning("persisting step %d to %s runs past persist_timeout_s=%s but cannot be given up (it is "
+                        "past its commit point, or %s cannot give writes up); waiting for it",
+                        pending.step, where, timeout_s, type(pending).__name__)
+        return None
+    log.error("persisting step %d to %s did not finish within persist_timeout_s=%s: declared failed; its "
+              "writer can no longer commit it", pending.step, where, timeout_s)
+    return PersistTimeout(
+        f"persisting step {pending.step} to {where} did not finish within persist_timeout_s={timeout_s}s "
+        f"(the storage hangs or is too slow); it is declared failed and can no longer commit; training "
+        f"continues with a fresh writer; raise persist_timeout_s if the storage is just slow")
+
+
+def _run_into(fut: cf.Future, fn, *args) -> None:
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the waiter, which re-raises it
+        fut.set_exception(e)
 
 
 class PersistBackend(Protocol):
@@ -216,20 +410,52 @@ class PersistBackend(Protocol):
     def close(self) -> None: ...
 
 
+_LIVE_THREAD_BACKENDS: "weakref.WeakSet[ThreadBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_thread_backends() -> None:
+    # Writer threads are daemons (a hung one must not block exit), so at exit wait for the
+    # writes still wanted, as a pool's non-daemon thread would have been waited for.
+    for b in list(_LIVE_THREAD_BACKENDS):
+        b.close()
+
+
 class ThreadBackend:
-    """Persist on one background thread of this process (the default)."""
+    """Persist on a background thread of this process (the default).
+
+    One job at a time in practice (the Checkpointer waits for a persist before submitting the
+    next); each job gets its own daemon thread, so a write given up as hung never delays the
+    next one. ``close()`` (and interpreter exit) wait for the jobs not given up.
+    """
 
     needs_shared_memory = False
 
     def __init__(self, storages: list[Storage]):
         self.storages = storages
-        self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-persist")
+        self._live: set[cf.Future] = set()
+        self._lock = threading.Lock()
+        _LIVE_THREAD_BACKENDS.add(self)
 
     def submit(self, job: PersistJob) -> Pending:
-        return FuturePending(self._ex.submit(write_checkpoint, self.storages, job), job.step)
+        job.gate = CommitGate()
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            self._live.add(fut)
+        fut.add_done_callback(self._forget)
+        threading.Thread(target=_run_into, args=(fut, write_checkpoint, self.storages, job),
+                         name=f"cfdist-persist-{job.step}", daemon=True).start()
+        return FuturePending(fut, job.step, job.gate, on_abandon=lambda p: self._forget(p._fut))
+
+    def _forget(self, fut: cf.Future) -> None:
+        with self._lock:
+            self._live.discard(fut)
 
     def close(self) -> None:
-        self._ex.shutdown(wait=True)
+        with self._lock:
+            live = list(self._live)
+        cf.wait(live)
+        _LIVE_THREAD_BACKENDS.discard(self)
 
 
 def _child_write(urls: list[str], options: dict, job: PersistJob) -> CommitInfo:
@@ -246,8 +472,46 @@ def _child_storages(urls: tuple, options_json: str) -> list[Storage]:
     return _CHILD_CACHE[key]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (someone else's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _ready() -> None:
+    """A writer process's first job: nothing (importing this module is the warm-up)."""
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a writer process: be SIGKILLed when the training process dies (Linux).
+
+    Otherwise a writer orphaned by a killed training process would finish its write and could
+    commit it after a new training process started and swept (a late, unexpected commit). The
+    pool spawns its process from the thread that submits (the training or snapshot thread, both
+    alive as long as the Checkpointer), as the signal follows the thread that spawned.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:   # it died before the prctl
+        os._exit(1)
+
+
 class ProcessBackend:
-    """Persist in a spawned writer process that maps the arenas from /dev/shm."""
+    """Persist in a spawned writer process that maps the arenas from /dev/shm.
+
+    A writer process that died (killed, out of memory) fails the persist it was running with
+    ``BrokenProcessPool``; the next job gets a new writer process. A write given up as hung
+    has its writer process killed, and the next job a new one.
+    """
 
     needs_shared_memory = True
 
@@ -258,10 +522,48 @@ class ProcessBackend:
                                  f"this process only; use backend='thread'")
         self.urls = [s.url for s in storages]
         self.options = dict(storage_options or {})
-        self._ex = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        for old in glob.glob(os.path.join(shm, "cfdist-gates-*-*")):   # left by killed processes
+            pid = os.path.basename(old).split("-")[2]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        self._gates = tempfile.mkdtemp(prefix=f"cfdist-gates-{os.getpid()}-", dir=shm)
+        self._ex = self._new_pool()
+        self.restarts = 0
+        """Writer processes replaced (died, or killed after a hung write)."""
+
+    def _new_pool(self) -> cf.ProcessPoolExecutor:
+        pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                                      initializer=_die_with_parent, initargs=(os.getpid(),))
+        # Start the writer now (seconds: it imports torch); a persist's timeout counts from then.
+        self._started = pool.submit(_ready)
+        return pool
+
+    def _replace_pool(self, kill: bool) -> None:
+        old, self._ex = self._ex, self._new_pool()
+        self.restarts += 1
+        if kill:
+            for p in list((getattr(old, "_processes", None) or {}).values()):
+                p.kill()
+        old.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: PersistJob) -> Pending:
-        return FuturePending(self._ex.submit(_child_write, self.urls, self.options, job), job.step)
+        job.gate = CommitGate(os.path.join(self._gates, f"step-{job.step}-{uuid.uuid4().hex[:8]}"))
+        try:
+            fut = self._ex.submit(_child_write, self.urls, self.options, job)
+        except cf.process.BrokenProcessPool:
+            log.warning("the persist writer process died; starting a new one for step %d", job.step)
+            self._replace_pool(kill=False)
+            fut = self._ex.submit(_child_write, self.urls, self.options, job)
+        return FuturePending(fut, job.step, job.gate, on_abandon=lambda p: self._replace_pool(kill=True),
+                             after=self._started)
+
+    def writer_pids(self) -> list[int]:
+        """Pids of the live writer processes (for tests that kill them)."""
+        return [p.pid for p in (getattr(self._ex, "_processes", None) or {}).values() if p.is_alive()]
 
     def close(self) -> None:
-        self._ex.shutdown(wait=True)
+        try:
+            self._ex.shutdown(wait=True)
+        finally:
+            shutil.rmtree(self._gates, ignore_errors=True)

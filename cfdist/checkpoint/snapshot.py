@@ -291,6 +291,13 @@ class Snapshotter:
         done.record(stream)
         done.synchronize()
 
+    def retire_host_arenas(self) -> None:
+        """Never copy into the current arenas again (a writer given up may still read them):
+        the next :meth:`start` allocates fresh ones. Their memory is freed once that writer
+        drops its references (in-process), or stays mapped in its process (shared)."""
+        self.wait_copied()
+        self._sig = None
+
     def close_arenas(self) -> None:
         for a in self.host + self.gpu:
             a.close()

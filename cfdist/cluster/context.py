@@ -62,6 +62,7 @@ class TrainContext:
         self._preempted = threading.Event()
         self._save_requested = False
         self._step = 0
+        self._errors_reported = 0
         self._ckpts: list[_FitCheckpointer] = []
         self._t_start = time.time()   # the training function starts (recovery's "setup" phase)
         self._step_t: dict[int, float] = {}                   # step -> when it finished (recent)
@@ -139,6 +140,11 @@ class TrainContext:
             if self.rank == 0:
                 self._records.append({"type": "step", "step": ck.step_count, "t": time.time(),
                                       "stall_s": round(ck._stats["stall_s"], 6)})
+                if ck._stats["errors"] > self._errors_reported:   # a persist failed: to the event log
+                    self._errors_reported = ck._stats["errors"]
+                    self._records.append({"type": "checkpoint_error", "step": ck.step_count, "t": time.time(),
+                                          "errors": ck._stats["errors"],
+                                          "error": str(ck._stats["last_error"])[:500]})
             save, self._save_requested = self._save_requested, False
         return save
 
@@ -217,7 +223,9 @@ class _FitCheckpointer(Checkpointer):
 
     def step(self, optimizer=None, closure=None):
         out = super().step(optimizer, closure)
-        if self._ctx._on_step(self):
+        save = self._ctx._on_step(self)
+        _raise_if_node_actor_died(self._error)
+        if save:
             self.request_save()   # preemption notice: every rank checkpoints the same step soon
         return out
 
@@ -237,6 +245,17 @@ def _memory_every(policy, run_policy, *, memory: bool):
     every = run_policy.every if isinstance(run_policy, MemoryEvery) else None
     inner = policy.policy if isinstance(policy, MemoryEvery) else policy
     return MemoryEvery(inner, every) if every and memory else inner
+
+
+def _raise_if_node_actor_died(err: BaseException | None) -> None:
+    """A persist failed because the node's checkpoint actor died: every later checkpoint of
+    this rank would fail too, so fail the rank now (the controller replaces the actor and
+    restarts the group from the newest commit) instead of training on without checkpoints."""
+    import ray
+
+    if isinstance(err, ray.exceptions.RayActorError):
+        raise RuntimeError(f"the node's checkpoint actor died ({type(err).__name__}); stopping this rank so "
+                           f"that the run restarts from its newest committed checkpoint") from err
 
 
 def _fresh(policy):

@@ -110,21 +110,32 @@ class Controller:
             self.events.emit("nodes_ready", nodes=len(nodes))
         chosen = self._pick_nodes(nodes, size.num_nodes)
         self.decide("group_size", size.reason, nodes=[n.name for n in chosen])
-        choice = choose_restore(self.backend.holdings(), [n.node_id for n in chosen], peer_copy=self.config.peer_copy)
+        try:
+            holdings = self.backend.holdings()
+        except Exception as e:  # noqa: BLE001 - a node's holdings unknown (its actor is starting):
+            # choosing without them could restart from scratch over its newer checkpoints
+            return self._try_again(st, "holdings_failed", "asking the nodes what they hold", "asking again",
+                                   f"learn which checkpoints {[n.name for n in chosen]} hold", e)
+        choice = choose_restore(holdings, [n.node_id for n in chosen], peer_copy=self.config.peer_copy)
         self.decide("restore", choice.reason, step=choice.step, tier=choice.tier,
                     sources={n.name: choice.sources.get(n.node_id) for n in chosen})
         t_stage = self.clock()
         try:
             self.backend.stage(choice, chosen)
         except Exception as e:  # noqa: BLE001 - e.g. a chosen node is gone: choose again
-            st.stage_failures += 1
-            self.decide("stage_failed", f"staging step {choice.step} failed ({type(e).__name__}: {e}); "
-                                        f"choosing nodes and checkpoint again", tries=st.stage_failures)
-            if st.stage_failures > 3:
-                return FailedState(FitError(f"could not stage step {choice.step} on {[n.name for n in chosen]} "
-                                            f"after {st.stage_failures} tries: {e}"))
-            return st
+            return self._try_again(st, "stage_failed", f"staging step {choice.step}",
+                                   "choosing nodes and checkpoint again",
+                                   f"stage step {choice.step} on {[n.name for n in chosen]}", e)
         return self._start(chosen, choice, stage_s=self.clock() - t_stage)
+
+    def _try_again(self, st: RecoveringState, what: str, doing: str, then: str, goal: str,
+                   e: Exception) -> ControllerState:
+        """A recovery step failed: log it and recover again, or give up after 3 retries."""
+        st.stage_failures += 1
+        self.decide(what, f"{doing} failed ({type(e).__name__}: {e}); {then}", tries=st.stage_failures)
+        if st.stage_failures > 3:
+            return FailedState(FitError(f"could not {goal} after {st.stage_failures} tries: {e}"))
+        return st
 
     def _wait_for_nodes(self, st: RecoveringState, reason: str, usable: int) -> ControllerState:
         now = self.clock()
@@ -216,6 +227,8 @@ class Controller:
                 self.events.emit("metrics", t=r["t"], **fields)
             elif kind == "restored":
                 self._on_restored(r)
+            elif kind == "checkpoint_error":   # rank 0's persist failed; training went on
+                self.events.emit("checkpoint_failed", t=r["t"], **fields)
         return resize
 
     def _on_restored(self, r: dict) -> None:

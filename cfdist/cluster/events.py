@@ -19,7 +19,8 @@ spares, and ``rendezvous_s`` the process group), restore (``restarted`` to ``res
 step (``restored`` to ``resumed``); ``resumed.recovery_s`` is the failure to the first step.
 
 Extra records (``decision``, ``notice``, ``resize``) carry the controller's decisions with their
-inputs; readers ignore unknown events. ``t`` is ``time.time()`` and never decreases within a
+inputs; ``checkpoint_failed`` (``step``, ``errors``, ``error``) says a persist of rank 0 failed
+while training went on; readers ignore unknown events. ``t`` is ``time.time()`` and never decreases within a
 log (a record stamped earlier than its predecessor is written with the predecessor's ``t``).
 
 Thread-safety: :meth:`EventLog.emit` may be called from any driver thread.

@@ -31,8 +31,8 @@ import shutil
 import threading
 import time
 
-from cfdist.checkpoint.discovery import committed_steps, sweep
-from cfdist.checkpoint.persist import CommitInfo, PersistJob, write_checkpoint
+from cfdist.checkpoint.discovery import committed_steps, is_committed, sweep
+from cfdist.checkpoint.persist import CommitInfo, PersistJob, pid_alive, write_checkpoint
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
 from cfdist.storage import open_storages
@@ -45,6 +45,27 @@ SHM_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None
 def memory_root(run_id: str) -> str | None:
     """Directory of a run's memory tiers on this machine (one subdirectory per node actor)."""
     return os.path.join(SHM_ROOT, f"cfdist-{run_id}") if SHM_ROOT else None
+
+
+def _sweep_orphans(run_name: str, node_id: str) -> None:
+    """Free /dev/shm that dead processes left: this node's memory tiers of earlier runs of
+    ``run_name`` whose actor is gone (a driver killed before it could close them), and arenas
+    whose creating process is gone. Never touches what a live process owns."""
+    for old in glob.glob(os.path.join(SHM_ROOT, f"cfdist-{glob.escape(run_name)}-*", f"{node_id[:16]}-*")):
+        pid = old.rsplit("-", 1)[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(old))   # that run's directory, once empty
+            except OSError:
+                pass
+    for arena in glob.glob(os.path.join(SHM_ROOT, "cfdist-*-*.arena")):
+        pid = os.path.basename(arena).split("-")[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            try:
+                os.unlink(arena)
+            except OSError:
+                pass
 
 
 class StaleAttempt(RuntimeError):
@@ -76,6 +97,7 @@ class NodeCheckpointer:
             # a node that stayed up) is stale: a replacement starts with empty memory.
             for old in glob.glob(os.path.join(root, f"{node_id[:16]}-*")):
                 shutil.rmtree(old, ignore_errors=True)
+            _sweep_orphans(config.run_name, node_id)
             self._mem_dir = os.path.join(root, f"{node_id[:16]}-{os.getpid()}")
             self.mem = open_storages(f"file://{self._mem_dir}")
         if config.local_tier:
@@ -166,7 +188,7 @@ class NodeCheckpointer:
         cannot delete it meanwhile)."""
         with self._lock:
             for sts in self._node_tiers():
-                if step in committed_steps(sts[0]):
+                if is_committed(sts[0], step):
                     return transfer.freeze(sts, step)
         return None
 
@@ -238,7 +260,7 @@ class NodeCheckpointer:
                 raise TimeoutError(f"copying step {step} to {self.shared[0].url} took more than {timeout_s}s")
             if self._shared_error:
                 raise RuntimeError(f"copying step {step} to {self.shared[0].url} failed: {self._shared_error}")
-        return step if step in committed_steps(self.shared[0]) else None
+        return step if is_committed(self.shared[0], step) else None   # by key: listings may lag
 
     # ---- recovery --------------------------------------------------------------------------------
     def holdings(self, with_shared: bool = False) -> dict:

@@ -46,7 +46,9 @@ class RayBackend:
         self.excluded: set[str] = set()
         """Node ids the failure injector took away (not usable until it returns them)."""
         self.dead: set[str] = set()
-        """Node ids whose node actor died: the node is gone even if Ray does not know yet."""
+        """Node ids whose node actor died and could not be replaced: the node is gone even if Ray
+        does not know yet."""
+        self._actor_died: set[str] = set()   # actor seen dead, its node not checked yet
         self.actors: dict[str, object] = {}
         self.tiers: dict[str, dict] = {}
         self._warming: dict[str, tuple] = {}   # node id -> (actor, ready ref): spares, started ahead
@@ -100,10 +102,17 @@ class RayBackend:
                 self.tiers[nid] = ray.get(ready, timeout=_CALL_S)
                 self.actors[nid] = actor
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                self.dead.add(nid)
+                # The node is lost only if Ray says so: an actor that died while starting (killed,
+                # out of memory) gets a successor next time, one still starting is waited for again.
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                if nid not in alive:
+                    self.dead.add(nid)
+                elif isinstance(e, ray.exceptions.GetTimeoutError):
+                    self._warming[nid] = (actor, ready)
                 lost.append(f"{nid[:8]}: {type(e).__name__}")
         if lost:
-            raise NodeLost(f"node actor(s) could not start on {', '.join(lost)}; those nodes are excluded")
+            raise NodeLost(f"node actor(s) could not start on {', '.join(lost)}; nodes Ray reports dead are "
+                           f"excluded, the others are tried again")
 
     def lost_nodes(self, nodes: list[NodeInfo], timeout_s: float = 10.0) -> set[str]:
         """Which of ``nodes`` are gone: Ray says dead, or their node actor does not answer
@@ -112,15 +121,37 @@ class RayBackend:
         lost = {n.node_id for n in nodes if n.node_id not in alive or n.node_id in self.excluded}
         refs = {n.node_id: self.actors[n.node_id].ready.remote() for n in nodes
                 if n.node_id not in lost and n.node_id in self.actors}
+        by_id = {n.node_id: n for n in nodes}
+        for nid in [n.node_id for n in nodes if n.node_id in self._actor_died and n.node_id not in lost]:
+            self._actor_died.discard(nid)
+            if nid not in self.actors and not self._replace_actor(by_id[nid]):
+                lost.add(nid)
         for nid, ref in refs.items():
             try:
                 ray.get(ref, timeout=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            except ray.exceptions.RayActorError:
+                if not self._replace_actor(by_id[nid]):
+                    lost.add(nid)
+            except ray.exceptions.GetTimeoutError:
                 lost.add(nid)
         for nid in lost - self.excluded:
             self.dead.add(nid)
             self._forget(nid)
         return lost
+
+    def _replace_actor(self, n: NodeInfo) -> bool:
+        """The node actor of ``n`` died: start a new one there. True unless the node itself is
+        gone (only the actor died, e.g. killed or out of memory: the node and its local disk stay
+        usable; its memory tier is gone). An actor still starting is kept for the next use."""
+        self._warming.setdefault(n.node_id, self._spawn(n))
+        try:
+            self._ensure_actors([n])
+        except NodeLost as e:
+            log.warning("node %s: its checkpoint actor died; a new one is not ready (%s)", n.name, e)
+            return n.node_id not in self.dead
+        log.warning("node %s: its checkpoint actor died; started a new one (the node's memory tier is lost, "
+                    "its local disk is kept)", n.name)
+        return True
 
     def _forget(self, node_id: str) -> None:
         self.actors.pop(node_id, None)
@@ -176,17 +207,28 @@ class RayBackend:
         for nid, ref in refs.items():
             try:
                 out[nid] = ray.get(ref, timeout=timeout)
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+                # The actor died (crashed, or killed by Ray's memory monitor); whether its node did
+                # too, lost_nodes finds out (it tries a new actor there): an actor killed alone
+                # must not cost the run a healthy node.
+                log.warning("node actor %s is gone (%s)", nid[:8], type(e).__name__)
+                self._actor_died.add(nid)
+                self._forget(nid)
             except ray.exceptions.GetTimeoutError:
                 log.warning("node actor %s did not answer %s within %.0fs; ignoring it", nid[:8], method, timeout)
-            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
-                # gone: crashed with its node, or killed by Ray's memory monitor
-                log.warning("node actor %s is gone (%s); forgetting it", nid[:8], type(e).__name__)
-                self.dead.add(nid)
-                self._forget(nid)
         return out
 
     # ---- the controller's questions ----------------------------------------------------------------
     def holdings(self) -> list[Holding]:
+        usable = self.usable_nodes()
+        try:
+            # A node without an actor yet (a fresh driver re-running a run_name) may hold that
+            # run's checkpoints on its local disk: its actor must be asked too.
+            self._ensure_actors(usable)
+        except NodeLost as e:
+            if any(n.node_id not in self.actors and n.node_id not in self.dead for n in usable):
+                raise   # a live node's holdings are unknown: the controller asks again
+            log.warning("%s", e)
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for nid in [n for n in self.actors if n not in alive]:
             self._forget(nid)

@@ -12,7 +12,7 @@ Call from a node actor (any thread); nothing here talks to Ray.
 from __future__ import annotations
 
 from cfdist.checkpoint import rejected, retention
-from cfdist.checkpoint.discovery import committed_steps, copy_checkpoint, read_manifest
+from cfdist.checkpoint.discovery import copy_checkpoint, is_committed, read_manifest
 from cfdist.checkpoint.format import MANIFEST, CheckpointError, step_dir
 from cfdist.storage import Storage
 
@@ -73,7 +73,7 @@ def commit_frozen(frozen: Frozen, step: int, dst: list[Storage], *, source: str,
     different checkpoint of the same step there (from a run that rolled back past it) is moved
     aside to ``rejected/``; a leftover uncommitted directory of the same step is removed.
     """
-    if step in committed_steps(dst[0]):
+    if is_committed(dst[0], step):   # by key: a lagging listing may hide it
         try:
             here = read_manifest(dst, step)
         except CheckpointError:

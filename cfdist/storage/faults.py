@@ -35,7 +35,8 @@ from typing import Callable, Iterable, Iterator
 
 from cfdist.storage.base import Storage
 
-__all__ = ["StorageWrapper", "ThrottledStorage", "FaultyStorage", "FlakyStorage", "throttle", "faulty", "flaky"]
+__all__ = ["StorageWrapper", "ThrottledStorage", "FaultyStorage", "FlakyStorage", "throttle", "faulty", "flaky",
+           "HangingStorage", "hang", "TornStorage", "torn", "LaggingStorage", "lagging", "DeniedStorage", "denied"]
 
 
 class StorageWrapper(Storage):
@@ -398,3 +399,220 @@ def flaky(storage: Storage, *, match: str = "*", failures: int | None = 1, verbs
           errno: int = _errno.EIO) -> FlakyStorage:
     """``storage`` whose first ``failures`` matching calls fail; see :class:`FlakyStorage`."""
     return FlakyStorage(storage, match=match, failures=failures, verbs=verbs, errno=errno)
+
+
+# ---- hung writes, lying disks, lagging listings, refused permissions -----------------------------
+# (Storage-level faults of the write path and of listings; each class is a separate wrapper.)
+
+class HangingStorage(StorageWrapper):
+    """``write_file`` that blocks (a dead NFS server, an object store that stops answering).
+
+    While armed, the write that carries byte ``hang_after_bytes`` (counted over all files since
+    :meth:`arm`) writes up to it and then blocks until :meth:`release` - possibly forever.
+    ``hung`` counts the writes blocked now, ``entered`` is set when the first one blocks;
+    ``released`` writes continue where they stopped, so a test can watch what a writer that
+    wakes up late does. ``only`` (a substring of the path) restricts the hang to some files.
+    """
+
+    def __init__(self, inner: Storage, *, hang_after_bytes: int | None = None, only: str | None = None):
+        super().__init__(inner)
+        self.entered = threading.Event()
+        self._go = threading.Event()
+        self.hung = 0
+        self.arm(hang_after_bytes=hang_after_bytes, only=only)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        del state["entered"], state["_go"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.entered, self._go = threading.Event(), threading.Event()
+
+    def arm(self, *, hang_after_bytes: int | None = 0, only: str | None = None) -> None:
+        """Hang the write that reaches ``hang_after_bytes`` from now on (None: never)."""
+        if hang_after_bytes is not None and hang_after_bytes < 0:
+            raise ValueError(f"hang(hang_after_bytes={hang_after_bytes}): must be >= 0 (0 = the first byte)")
+        with self._lock:
+            self.hang_after_bytes, self.only = hang_after_bytes, only
+            self._budget = hang_after_bytes
+        self._go.clear()
+
+    def release(self) -> None:
+        """Let every blocked write (and later ones) proceed."""
+        with self._lock:
+            self._budget = None
+        self._go.set()
+
+    def _gated(self, chunks: Iterable[bytes | memoryview]) -> Iterator[memoryview]:
+        for c in chunks:
+            mv = memoryview(c).cast("B")
+            with self._lock:
+                b = self._budget
+                allow = mv.nbytes if b is None else min(mv.nbytes, b)
+                if b is not None:
+                    self._budget = b - allow
+                due = b is not None and allow < mv.nbytes   # this chunk crosses the hang point
+            if allow:
+                yield mv[:allow]
+            if due:
+                with self._lock:
+                    self.hung += 1
+                self.entered.set()
+                self._go.wait()
+                with self._lock:
+                    self.hung -= 1
+                yield mv[allow:]
+
+    def write_file(self, rel: str, chunks: Iterable[bytes | memoryview], *, fsync: bool = True) -> int:
+        """The wrapped ``write_file``; blocks where the hang is due (until :meth:`release`)."""
+        self._before("write_file", rel)
+        if self._budget is None or (self.only is not None and self.only not in rel):
+            return self.inner.write_file(rel, chunks, fsync=fsync)
+        return self.inner.write_file(rel, self._gated(chunks), fsync=fsync)
+
+
+def hang(storage: Storage, *, hang_after_bytes: int | None = None, only: str | None = None) -> HangingStorage:
+    """``storage`` whose writes block once armed; see :class:`HangingStorage`. One process only."""
+    return HangingStorage(storage, hang_after_bytes=hang_after_bytes, only=only)
+
+
+class TornStorage(StorageWrapper):
+    """A disk that loses the tail of a file but reports the whole write (a torn write).
+
+    While armed, the next ``writes`` ``write_file`` calls whose path contains ``only`` store only
+    their first ``keep_fraction`` of bytes (at least ``keep_bytes``) and still return the full
+    count, like a device whose volatile cache lost the end after a power cut. ``torn`` lists
+    the paths cut. Nothing fails at write time: only a checksum or size check finds it.
+    """
+
+    def __init__(self, inner: Storage, *, writes: int = 0, keep_fraction: float = 0.5, only: str | None = None):
+        super().__init__(inner)
+        self.torn: list[str] = []
+        self.arm(writes=writes, keep_fraction=keep_fraction, only=only)
+
+    def arm(self, *, writes: int = 1, keep_fraction: float = 0.5, only: str | None = None) -> None:
+        if writes < 0 or not 0 <= keep_fraction < 1:
+            raise ValueError(f"torn(writes={writes}, keep_fraction={keep_fraction}): need writes >= 0 and "
+                             f"0 <= keep_fraction < 1")
+        with self._lock:
+            self._left, self.keep_fraction, self.only = writes, keep_fraction, only
+
+    def write_file(self, rel: str, chunks: Iterable[bytes | memoryview], *, fsync: bool = True) -> int:
+        """The wrapped ``write_file``; a torn one stores a prefix and returns the full length."""
+        self._before("write_file", rel)
+        with self._lock:
+            tear = self._left > 0 and (self.only is None or self.only in rel)
+            if tear:
+                self._left -= 1
+                self.torn.append(rel)
+        if not tear:
+            return self.inner.write_file(rel, chunks, fsync=fsync)
+        data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+        self.inner.write_file(rel, [data[:int(len(data) * self.keep_fraction)]], fsync=fsync)
+        return len(data)
+
+
+def torn(storage: Storage, *, writes: int = 1, keep_fraction: float = 0.5, only: str | None = None) -> TornStorage:
+    """``storage`` that silently truncates the next ``writes`` files; see :class:`TornStorage`."""
+    return TornStorage(storage, writes=writes, keep_fraction=keep_fraction, only=only)
+
+
+class LaggingStorage(StorageWrapper):
+    """Listings that lag behind writes, as on eventually consistent object stores.
+
+    ``listdir`` hides every entry first created through this wrapper (a file written, a
+    directory published) less than ``lag_s`` seconds ago; reading, sizing and ``exists`` of a
+    key see it at once (read-after-write). Entries created by others are not tracked.
+    """
+
+    def __init__(self, inner: Storage, *, lag_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__(inner)
+        if not lag_s >= 0:
+            raise ValueError(f"lagging(lag_s={lag_s}): must be >= 0 seconds")
+        self.lag_s, self._clock = lag_s, clock
+        self._born: dict[str, float] = {}
+        self.hidden = 0
+        """Entries a listing left out so far."""
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        if state["_clock"] is not time.monotonic:
+            raise TypeError("a LaggingStorage with an injected clock cannot be pickled")
+        return state
+
+    def _note(self, rel: str) -> None:
+        parts = [p for p in rel.strip("/").split("/") if p]
+        now = self._clock()
+        with self._lock:
+            for i in range(1, len(parts) + 1):
+                self._born.setdefault("/".join(parts[:i]), now)
+
+    def write_file(self, rel: str, chunks: Iterable[bytes | memoryview], *, fsync: bool = True) -> int:
+        self._note(rel)
+        return super().write_file(rel, chunks, fsync=fsync)
+
+    def publish(self, staging: str, final: str) -> None:
+        super().publish(staging, final)
+        self._note(final)
+        with self._lock:   # what was under staging is now under final: newly listed there
+            now = self._clock()
+            pre = staging.strip("/") + "/"
+            for k in [k for k in self._born if k.startswith(pre)]:
+                self._born.setdefault(final.strip("/") + "/" + k[len(pre):], now)
+
+    def listdir(self, rel: str = "") -> list[str]:
+        names = super().listdir(rel)
+        base = rel.strip("/")
+        now = self._clock()
+        with self._lock:
+            keep = [n for n in names if now - self._born.get(f"{base}/{n}" if base else n, -1e18) >= self.lag_s]
+            self.hidden += len(names) - len(keep)
+        return keep
+
+
+def lagging(storage: Storage, *, lag_s: float = 60.0) -> LaggingStorage:
+    """``storage`` whose listings hide entries younger than ``lag_s``; see :class:`LaggingStorage`."""
+    return LaggingStorage(storage, lag_s=lag_s)
+
+
+class DeniedStorage(StorageWrapper):
+    """Writes refused with ``EACCES`` while armed, whoever runs the process (root included,
+    where ``chmod`` would not stop it): a read-only mount, a revoked credential.
+
+    ``verbs`` (default: every writing verb) are refused before touching the backend; reads
+    pass. ``denied`` counts the refusals.
+    """
+
+    WRITES = ("write_file", "write_atomic", "makedirs", "publish", "remove")
+
+    def __init__(self, inner: Storage, *, armed: bool = False, verbs: tuple[str, ...] = WRITES,
+                 errno: int = _errno.EACCES):
+        super().__init__(inner)
+        self.verbs, self.errno, self.armed, self.denied = tuple(verbs), errno, armed, 0
+
+    def arm(self) -> None:
+        with self._lock:
+            self.armed = True
+
+    def heal(self) -> None:
+        with self._lock:
+            self.armed = False
+
+    def _before(self, verb: str, rel: str) -> None:
+        with self._lock:
+            if not (self.armed and verb in self.verbs):
+                return
+            self.denied += 1
+        e = OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.storage.faults)")
+        raise self._error(f"{verb} of", rel, e) from e
+
+    def write_file(self, rel: str, chunks: Iterable[bytes | memoryview], *, fsync: bool = True) -> int:
+        self._before("write_file", rel)
+        return self.inner.write_file(rel, chunks, fsync=fsync)
+
+
+def denied(storage: Storage, *, armed: bool = True, errno: int = _errno.EACCES) -> DeniedStorage:
+    """``storage`` whose writes fail with ``EACCES`` (root too); see :class:`DeniedStorage`."""
+    return DeniedStorage(storage, armed=armed, errno=errno)

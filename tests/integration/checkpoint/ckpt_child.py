@@ -52,21 +52,44 @@ def leftovers(url: str, options: dict) -> list[str]:
 
 # ---- crash consistency -----------------------------------------------------------------------
 
+class IndexedSamples(torch.utils.data.Dataset):
+    """Sample i is (x_i, i): x_i drawn from a generator seeded by i, so it needs no storage."""
+
+    def __init__(self, n: int, dim: int):
+        self.n, self.dim = n, dim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.randn(self.dim, generator=torch.Generator().manual_seed(i)), i
+
+
 def crash(a: dict) -> None:
     """An MLP under Adam (``a["hidden"]`` 1024: 1M parameters, about 12 MB per checkpoint), ``Every(k)``.
 
     Restores, reports what it restored, then trains until killed (or ``a["steps"]`` more steps,
-    then closes and reports again). Batches come from a generator seeded by the step number, so
-    the run needs no data state. ``a["options"]``: storage options (an S3 endpoint).
+    then closes and reports again). Without ``a["data"]`` batches come from a generator seeded
+    by the step number, so the run needs no data state. With ``a["data"]`` (a sample count) a
+    ``ResumableLoader`` over that many indexed samples (batch 4) is part of the checkpoint and
+    every step appends what it consumed to ``<out>/a<run>-r0.jsonl`` (the format of
+    ``cluster_loops.check_exactly_once``; flushed per step, so a SIGKILL loses none of it).
+    ``a["options"]``: storage options (an S3 endpoint); ``a["backend"]``: the persist backend;
+    ``a["stats_every"]``: report ``stats-<run>.json`` every that many steps.
     """
     torch.manual_seed(0)
     hidden, opts = a.get("hidden", 1024), a.get("options") or {}
     model = torch.nn.Sequential(torch.nn.Linear(512, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 512))
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    state = {"model": model, "optim": opt}
+    loader = None
+    if a.get("data"):
+        from cfdist.data import ResumableLoader
+        loader = state["data"] = ResumableLoader(IndexedSamples(a["data"], 512), 4, seed=5, rank=0, world_size=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, a["url"], cfdist.Every(a["k"]),
-                                   keep=a.get("keep", 1), storage_options=opts)
+        ckpt = cfdist.Checkpointer(state, a["url"], cfdist.Every(a["k"]), keep=a.get("keep", 1),
+                                   storage_options=opts, backend=a.get("backend", "thread"))
         left = leftovers(a["url"], opts)
         restored = ckpt.restore()
     osd = opt.state_dict()["state"]
@@ -78,17 +101,47 @@ def crash(a: dict) -> None:
     start = restored or 0
     end = start + a["steps"] if a.get("steps") else None
     i = start
+    log = None
+    if loader is not None:
+        log = open(os.path.join(a["out"], f"a{a['run']}-r0.jsonl"), "a")
+        log.write(json.dumps({"restored": start, "world_size": 1}) + "\n")
+        log.flush()
+
+    def batches():
+        while True:
+            if loader is None:
+                x = torch.randn(4, 512, generator=torch.Generator().manual_seed(i))
+                yield x, None
+            else:
+                yield from loader
+
+    every = a.get("stats_every")
+    it = batches()
     while end is None or i < end:
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(4, 512, generator=g)
+        x, ids = next(it)
         loss = (model(x) - x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         ckpt.step(opt)
         i += 1
-    ckpt.close()
-    report(a["out"], f"done-{a['run']}.json", {"step": i, "stats": {k: v for k, v in ckpt.stats.items()
-                                                                    if isinstance(v, (int, float, str))}})
+        if log is not None:
+            log.write(json.dumps({"step": i, "epoch": loader.epoch, "ids": ids.tolist(),
+                                  "pad": loader.last_batch_is_padding}) + "\n")
+            log.flush()
+        if every and i % every == 0:
+            report(a["out"], f"stats-{a['run']}.json", _plain(ckpt.stats) | {"step": i})
+    raised = None
+    try:
+        ckpt.close()
+    except Exception as e:  # noqa: BLE001 - wait() re-raises an earlier persist's failure once: reported
+        raised = f"{type(e).__name__}: {e}"
+    if log is not None:
+        log.close()
+    report(a["out"], f"done-{a['run']}.json", {"step": i, "stats": _plain(ckpt.stats), "close_raised": raised})
+
+
+def _plain(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
 
 
 # ---- bit-exact resume ------------------------------------------------------------------------
@@ -295,13 +348,16 @@ def _child(prog: str, args: dict) -> None:
 
 def warm_up() -> None:
     """Do once, before forking, what would otherwise cost every child seconds: the optimizers
-    import torch._dynamo lazily on first use. One thread, so no thread pool exists at fork."""
+    import torch._dynamo lazily on first use, the data loader initialises on its first batch.
+    One thread, so no thread pool exists at fork."""
     torch.set_num_threads(1)
     lin = torch.nn.Linear(2, 2)
     for opt in (torch.optim.Adam(lin.parameters()), torch.optim.SGD(lin.parameters(), lr=0.1)):
         lin(torch.ones(1, 2)).sum().backward()
         opt.step()
         torch.optim.lr_scheduler.ExponentialLR(opt, 0.9).step()
+    from cfdist.data import ResumableLoader   # its first iteration initialises torch.utils.data (~0.3 s)
+    next(iter(ResumableLoader(IndexedSamples(8, 4), 4, seed=0, rank=0, world_size=1)))
 
 
 def serve() -> None:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import sys
 import time
+from pathlib import Path
 
 import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.checkpoint.format import TMP_MARK, parse_step_dir
 from cfdist.storage import open_storage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+from cluster_loops import N_SAMPLES, check_exactly_once  # noqa: E402 - the shared exactly-once replay
 
 K = 2
 
@@ -29,7 +36,7 @@ def kill_restore_loop(children, out, url, *, kills: int, seed: int, options=None
     """
     st = open_storage(url, **(options or {}))
     rng = random.Random(seed)
-    common = dict(url=url, k=K, out=str(out), options=options, hidden=hidden)
+    common = dict(url=url, k=K, out=str(out), options=options, hidden=hidden, data=N_SAMPLES)
     expected = None           # newest committed step when the previous process died
     interrupted = 0
     restored = []
@@ -66,10 +73,11 @@ def kill_restore_loop(children, out, url, *, kills: int, seed: int, options=None
     done = children.report(out / f"done-{kills}.json", pid)
     assert children.wait(pid, timeout=60) == 0
     start = expected or 0
-    assert done["step"] == start + 3 * K and done["stats"]["errors"] == 0
+    assert done["step"] == start + 3 * K and done["stats"]["errors"] == 0 and done["close_raised"] is None
     assert committed_steps(st)[-1] == start + 3 * K
     assert in_flight(st) == []
     assert len({r for r in restored if r}) >= kills // 5, f"training made too little progress across kills: {restored}"
+    check_exactly_once(str(out), start + 3 * K)   # every sample once per epoch across all kills
     return interrupted
 
 
@@ -86,7 +94,9 @@ def test_sigkill_at_random_instants_always_restores_the_newest_commit(children, 
     The point: after every kill the next process restores exactly the newest step committed at
     the kill (verified independently with ``cfdist.load``; Adam's step count equals it, so no
     step is mixed), with no warning or exception, finds no staging leftovers after start, and
-    keeps training and committing; a last run finishes cleanly with a new commit.
+    keeps training and committing; a last run finishes cleanly with a new commit; replaying
+    what each process consumed from its ``ResumableLoader``, every sample was used exactly once
+    per epoch across all kills.
     """
     out = tmp_path / "out"
     out.mkdir()
@@ -110,3 +120,66 @@ def test_sigkill_on_s3_always_restores_the_newest_commit(children, tmp_path, s3_
     # the file:// test above asserts mid-write kills; this one asserts the restores.
     kill_restore_loop(children, out, s3_url, kills=8, seed=7, options=s3_storage_options,
                       hidden=256, wait_for_write=0.5)
+
+
+def _writer_processes(pid: int) -> list[int]:
+    """The spawned persist writer processes under training process ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(int(d))
+    return out
+
+
+def test_sigkill_of_the_writer_process_keeps_training_and_the_next_checkpoint_commits(children, tmp_path):
+    """``backend="process"``: the spawned writer process is SIGKILLed twice while it writes.
+
+    Real: the training process (forked from the warm server), its spawned writer process
+    reading the snapshot from /dev/shm, ``file://`` storage, SIGKILL of the writer found in
+    /proc. Faked: nothing on the write path.
+    The point: the training process survives each kill (the persist counts as an error in its
+    ``stats``), a new writer process takes the next checkpoint, which commits; the newest commit
+    always verifies; the run finishes; a restarted process restores its last step, and every
+    sample was used exactly once per epoch.
+    """
+    out, url = tmp_path / "out", f"file://{tmp_path / 'ckpt'}"
+    out.mkdir()
+    st = open_storage(url)
+    steps = 60
+    pid = children.start("crash", run=0, url=url, k=K, out=str(out), hidden=512, data=N_SAMPLES,
+                         backend="process", steps=steps, stats_every=1)
+    children.report(out / "restore-0.json", pid)
+    for kill in range(2):
+        deadline = time.monotonic() + 120
+        while not (in_flight(st) and _writer_processes(pid)):
+            assert time.monotonic() < deadline and children.poll(pid) is None, "no write in flight to interrupt"
+            time.sleep(0.001)
+        before = committed_steps(st)
+        for w in _writer_processes(pid):
+            os.kill(w, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not committed_steps(st) or committed_steps(st)[-1] <= (before or [0])[-1]:
+            assert time.monotonic() < deadline, f"no checkpoint committed after killing the writer (kill {kill})"
+            assert children.poll(pid) is None, "the training process died with its writer"
+            time.sleep(0.01)
+        newest = committed_steps(st)[-1]
+        assert cfdist.load(url, step=newest)["step"] == newest
+    done = children.report(out / "done-0.json", pid, timeout=300)
+    assert children.wait(pid, timeout=60) == 0
+    assert done["step"] == steps and done["stats"]["errors"] >= 1
+    assert "terminated abruptly" in done["stats"]["last_error"]
+    assert "terminated abruptly" in done["close_raised"]      # wait()/close() re-raise it once
+    assert committed_steps(st)[-1] == steps
+    pid = children.start("crash", run=1, url=url, k=K, out=str(out), hidden=512, data=N_SAMPLES, steps=2 * K)
+    assert children.report(out / "restore-1.json", pid)["restored"] == steps
+    assert children.wait(pid, timeout=60) == 0
+    check_exactly_once(str(out), steps + 2 * K)

@@ -51,6 +51,25 @@ class FakeCluster:
         raylet and agents): a machine that vanished, not one shutting down."""
         kill_node(self.cluster, self.nodes.pop(node_id))
 
+    def pids_titled(self, title: str) -> dict[str, list[int]]:
+        """``{node name: pids}`` of the processes on each worker node whose command line
+        contains ``title`` (Ray names an actor's process ``ray::<Class>``)."""
+        from ray._private import ray_constants
+
+        out = {}
+        for nid, node in self.nodes.items():
+            raylets = [p.process.pid for p in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])]
+            pids = []
+            for pid in _descendants(raylets):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if title.encode() in f.read():
+                            pids.append(pid)
+                except OSError:
+                    pass
+            out[self.names[nid]] = pids
+        return out
+
     def ensure_workers(self, n: int) -> list[str]:
         """Exactly ``n`` worker nodes alive (adds or removes); returns their ids."""
         while len(self.nodes) < n:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import os
+import signal
+import threading
 
 import pytest
 import ray
@@ -25,7 +28,7 @@ import ray.cloudpickle
 import torch
 
 import cluster_loops
-from cluster_loops import check_exactly_once, train_loop
+from cluster_loops import check_exactly_once, train_loop, wait_for
 
 from cfdist import Every, load
 from cfdist.api import fit
@@ -186,3 +189,114 @@ def test_fit_on_one_machine_starts_simulated_nodes_and_every_failure_lands(no_ra
     _assert_same(result.value, reference)
     check_exactly_once(str(out), STEPS)
     assert not ray.is_initialized()   # fit stopped the nodes it started
+
+
+# ---- killing the other processes: the node actor, the driver ------------------------------------
+
+def _newest_step(out) -> int:
+    """Rank 0's newest finished step in any attempt's log under ``out`` (0 if none yet)."""
+    steps = [0]
+    for p in out.glob("a*-r0.jsonl") if out.exists() else []:
+        steps += [json.loads(line).get("step", 0) for line in p.read_text().splitlines() if line.strip()]
+    return max(steps)
+
+
+def test_killed_node_actor_is_replaced_and_the_run_completes(fake_cluster, reference, tmp_path):
+    """A node's ``NodeCheckpointer`` process is SIGKILLed mid-run (its node stays up): the
+    writer rank on that node (rank 0) stops at its next step instead of training on without
+    checkpoints (the failed persist is in the event log as ``checkpoint_failed``), the controller starts a new node actor on the same node (the node is not
+    excluded: the group stays at 2 nodes), restores the newest commit and finishes bit-exact,
+    every sample once per epoch. The failure's message in the event log names the cause."""
+    fake_cluster.ensure_workers(2)
+    victim = {}
+
+    def kill_when_running():
+        wait_for(lambda: _newest_step(tmp_path / "nodeactor-samples") >= 9, timeout_s=180)
+        pids = fake_cluster.pids_titled("NodeCheckpointer")
+        name = sorted(n for n, p in pids.items() if p)[0]   # rank 0's node (nodes are taken by name)
+        victim.update(node=name, pids=pids[name])
+        for pid in pids[name]:
+            os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_running, daemon=True)
+    killer.start()
+    result, out = _fit(fake_cluster, tmp_path, "nodeactor")
+    killer.join(timeout=10)
+    assert victim, "the node actor was never killed"
+    assert result.failures == 1 and result.world_sizes == (2, 2)
+    events = _records(tmp_path / "nodeactor.jsonl")
+    (failure,) = [r for r in events if r.get("event") == "failure"]
+    assert "checkpoint actor died" in failure["message"]
+    failed = [r for r in events if r.get("event") == "checkpoint_failed"]   # the persist error, logged
+    assert failed and "NodeCheckpointer" in failed[0]["error"] and failed[0]["t"] <= failure["t"]
+    assert result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+    assert not set(victim["pids"]) & set(fake_cluster.pids_titled("NodeCheckpointer")[victim["node"]])
+
+
+_DRIVER = """
+import functools, json, sys
+import ray.cloudpickle
+import cluster_loops
+from cfdist import Every
+from cfdist.api import fit
+ray.cloudpickle.register_pickle_by_value(cluster_loops)
+a = json.loads(sys.argv[1])
+loop = functools.partial(cluster_loops.train_loop, steps=a["steps"], out_dir=a["out"], every=a["every"],
+                         step_sleep_s=0.1)
+fit(loop, num_nodes=2, workers_per_node=1, storage=a["storage"], policy=Every(a["every"]), run_name=a["name"],
+    progress=False, event_log=a["log"], max_failures=3, ray_address=a["address"])
+"""
+
+
+def test_rerun_after_the_driver_was_killed_continues_from_the_newest_commit(fake_cluster, reference, tmp_path):
+    """``cfdist.fit`` runs in a driver subprocess attached to the cluster and is SIGKILLed
+    mid-run (Ray then kills the run's actors). Running ``cfdist.fit`` again with the same
+    ``run_name`` and storage restores the newest step committed on the nodes' local disks, not
+    step 0, and ends bit-exact; across both drivers every sample is used once per epoch; the
+    memory tiers the killed run left in /dev/shm are freed by the new run's node actors."""
+    import glob
+    import shutil
+    import subprocess
+    import sys
+
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.storage import open_storage
+
+    fake_cluster.ensure_workers(2)
+    first = tmp_path / "first-samples"
+    first.mkdir()
+    storage = f"file://{tmp_path}/{{node}}/local"
+    args = dict(steps=STEPS, out=str(first), every=EVERY, storage=storage, name="driver",
+                log=str(tmp_path / "first.jsonl"), address=fake_cluster.cluster.address)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([cluster_loops.__file__.rsplit("/", 1)[0],
+                                                         os.environ.get("PYTHONPATH", "")]))
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(args)], env=env)
+    try:
+        wait_for(lambda: _newest_step(first) >= 10 or driver.poll() is not None, timeout_s=240)
+        assert driver.poll() is None, "the first driver ended before it could be killed"
+        driver.send_signal(signal.SIGKILL)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.wait(timeout=30)
+    wait_for(lambda: not any(fake_cluster.pids_titled("NodeCheckpointer").values()), timeout_s=60)
+    names = [fake_cluster.names[nid] for nid in fake_cluster.nodes]
+    newest = max(max(committed_steps(open_storage(f"file://{tmp_path}/{n}/local/driver")), default=0)
+                 for n in names)
+    assert newest >= EVERY
+    assert glob.glob("/dev/shm/cfdist-driver-*"), "the killed run left no memory tier to free (test premise)"
+
+    result, out = _fit(fake_cluster, tmp_path, "driver")
+    first_record = json.loads((out / "a0-r0.jsonl").read_text().splitlines()[0])
+    assert first_record["restored"] == newest, f"re-run restored {first_record['restored']}, newest commit {newest}"
+    assert result.failures == 0 and result.final_step == STEPS
+    _assert_same(result.value, reference)
+    for p in out.glob("a*-r*.jsonl"):              # the re-run's attempts come after the first run's
+        a, r = p.name[1:-6].split("-r")
+        p.rename(out / f"a{100 + int(a)}-r{r}.jsonl")
+    for p in first.glob("a*-r*.jsonl"):
+        shutil.copy(p, out / p.name)
+    check_exactly_once(str(out), STEPS)
+    assert glob.glob("/dev/shm/cfdist-driver-*") == []

@@ -14,7 +14,7 @@ from cfdist.cluster.decisions import Holding
 from cfdist.cluster.events import EventLog
 from cfdist.cluster.nodes import NodeInfo
 from cfdist.cluster.result import FitError
-from cfdist.cluster.states import FinishedState, GroupStatus, RankError, RecoveringState, RunningState
+from cfdist.cluster.states import FailedState, FinishedState, GroupStatus, RankError, RecoveringState, RunningState
 
 N = [NodeInfo(f"node{i}" + "x" * 10, f"n{i}", "127.0.0.1", 2, 0) for i in range(3)]
 
@@ -266,3 +266,33 @@ def test_a_cloud_notice_flags_the_node_and_takes_an_emergency_checkpoint_when_it
     (n,) = ev.of("notice")
     assert n["node"] == 1 and n["source"] == "aws" and n["save"] and 119 < n["window_s"] <= 120
     assert be.groups[0][0].notified == [((1,), True)]
+
+
+def test_unknown_holdings_are_asked_again_not_taken_for_an_empty_disk():
+    """A node whose actor is still starting cannot say what its disk holds: the controller asks
+    again instead of starting from scratch over that node's checkpoints (which a later commit's
+    retention could then delete); after too many tries the run fails with the reason."""
+    clock = Clock()
+    be = FakeBackend(N[:1], [[GroupStatus(finished=True, results={0: {"final_step": 8}})]],
+                     holdings=[Holding(node_id=N[0].node_id, local=(8,))])
+    answers = [RuntimeError("node actor still starting"), None]
+    real = be.holdings
+
+    def holdings():
+        e = answers.pop(0) if answers else None
+        if e is not None:
+            raise e
+        return real()
+
+    be.holdings = holdings
+    ctl, ev = make(be, clock, num_nodes=1)
+    assert drive(ctl) == ["recovering", "recovering", "running", "finished"]
+    assert be.groups[0][1].step == 8
+    assert [d["what"] for d in ev.of("decision")].count("holdings_failed") == 1
+
+    be2 = FakeBackend(N[:1], [])
+    be2.holdings = lambda: (_ for _ in ()).throw(RuntimeError("never answers"))
+    ctl2, _ = make(be2, clock, num_nodes=1)
+    drive(ctl2)
+    assert isinstance(ctl2.state, FailedState) and "never answers" in str(ctl2.state.error)
+    assert be2.groups == []

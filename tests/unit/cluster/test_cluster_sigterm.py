@@ -22,7 +22,7 @@ class Ck:
 
     def __init__(self):
         self.step_count, self.latest_step = 0, None
-        self._stats = {"stall_s": 0.0}
+        self._stats = {"stall_s": 0.0, "errors": 0, "last_error": None}
 
 
 @pytest.fixture
