@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 try:
     import lightning.pytorch as pl
 except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -42,7 +40,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from cfdist.checkpoint import Checkpointer
 from cfdist.checkpoint.state import rng_state, set_rng_state
-from cfdist.checkpoint.sync import attach_sync_hook
 
 log = logging.getLogger("cfdist.lightning")
 
@@ -112,8 +109,6 @@ class CheckpointCallback(pl.Callback):
         self.ckpt = Checkpointer(state, self.storage, self.policy, keep=self.keep,
                                  rank=trainer.global_rank, world_size=trainer.world_size,
                                  **self.checkpointer_kwargs)
-        if trainer.world_size > 1 and isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel):
-            attach_sync_hook(trainer.strategy.model, self.ckpt.policy)   # Auto's decisions agree
         if trainer.ckpt_path is not None:
             log.info("fit(ckpt_path=%s) given: Lightning restores it; cfdist does not restore from %s",
                      trainer.ckpt_path, self.storage)

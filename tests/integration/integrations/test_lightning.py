@@ -143,6 +143,7 @@ def test_killed_fit_ends_bit_identical_and_sigterm_commits_the_step(tmp_path):
     _assert_same(out, ref, 1)
 
 
+@pytest.mark.heavy
 def test_killed_fit_with_a_torchdata_stateful_dataloader(tmp_path):
     pytest.importorskip("torchdata.stateful_dataloader")
     args = ["--loader", "stateful"]
