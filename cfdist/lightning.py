@@ -141,7 +141,10 @@ class CheckpointCallback(pl.Callback):
         self._loop.record()
         self.ckpt.step()
         self.ckpt.boundary()          # the loop state, schedulers and RNG as of the end of this batch
-        if self.save_on_sigterm and trainer.received_sigterm:
+        # One process: save as soon as the notice is seen. Several: every rank must save the same
+        # step, so wait for the SIGTERMException Lightning raises on all ranks at the same batch
+        # (it broadcasts rank 0's notice before each batch) and save in on_exception.
+        if self.save_on_sigterm and trainer.received_sigterm and trainer.world_size == 1:
             self._emergency_save()
 
     def _emergency_save(self) -> None:

@@ -12,8 +12,10 @@
     ckpt.close()
 
 Call every method from the training thread. In a torch.distributed job every rank builds one
-with the same arguments and calls ``step`` at the same steps; only the writer rank (rank 0 by
-default) copies and persists tensors, and no rank issues a collective.
+with the same arguments and calls ``step``, ``save`` and ``restore`` at the same steps; only the
+writer rank (rank 0 by default) copies and persists tensors, and no rank issues a collective on
+the training group: ranks agree on checkpoint steps, restore steps and RNG states through the
+c10d Store (:mod:`cfdist.checkpoint.agreement`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cfdist.checkpoint import discovery, state as st
+from cfdist.checkpoint import agreement, discovery, state as st
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
@@ -53,8 +55,19 @@ class CheckpointerConfig:
     """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
     verify: bool = True
     """Check every tensor's checksum on restore."""
+    lookahead: int = 8
+    """Multi-rank: steps per agreement window. Rank 0's decisions (k, save requests) apply
+    ``lookahead`` to ``2 * lookahead`` steps after it made them; other ranks read the store once
+    per window."""
+    agree_timeout_s: float = 1800.0
+    """Multi-rank: how long a rank waits for the others through the store (the agreed k, every
+    rank's RNG states, restore) before raising ``AgreementError`` naming the missing keys."""
 
     def __post_init__(self):
+        if not isinstance(self.lookahead, int) or self.lookahead < 1:
+            raise ValueError(f"lookahead must be an int >= 1 (steps per agreement window), got {self.lookahead!r}")
+        if not (isinstance(self.agree_timeout_s, (int, float)) and self.agree_timeout_s > 0):
+            raise ValueError(f"agree_timeout_s must be seconds > 0, got {self.agree_timeout_s!r}")
         if not isinstance(self.keep, int) or self.keep < 1:
             raise ValueError(f"keep must be an int >= 1 (newest checkpoints to keep), got {self.keep!r}")
         if self.backend not in ("thread", "process"):
@@ -99,6 +112,9 @@ class Checkpointer:
         restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
             e.g. an in-memory tier before and a shared tier after the node-local one.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        store: the c10d Store ranks agree through (default: torch.distributed's, when
+            initialised); needed when ``world_size > 1``.
+        lookahead, agree_timeout_s: see :class:`CheckpointerConfig`.
     """
 
     Config = CheckpointerConfig
@@ -106,10 +122,11 @@ class Checkpointer:
     def __init__(self, state: dict, storage, policy=None, *, keep: int = 1, keep_epoch_ends: bool = True,
                  rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
                  backend: str | PersistBackend = "thread", restore_from=None,
-                 storage_options: dict | None = None, verify: bool = True):
+                 storage_options: dict | None = None, verify: bool = True, store=None,
+                 lookahead: int = 8, agree_timeout_s: float = 1800.0):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
-                                         verify=verify)
+                                         verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s)
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
@@ -126,6 +143,13 @@ class Checkpointer:
                                             if backend == "process" else ThreadBackend(self.storages))
         else:
             self.backend = backend
+        self._channel, self._rngx = self._agreement_channel(store), None
+        self._freq = agreement.Frequency(self._channel, rank=self.rank, lookahead=self.config.lookahead)
+        if self._channel is not None:
+            self._rngx = agreement.RngExchange(self._channel, writer=self.writer)
+            if self.writer:
+                self.backend = agreement.GatherRngBackend(self.backend, self._rngx)
+        self._restores = 0
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory)
         if self.writer:
             discovery.sweep(self.storages)
@@ -152,12 +176,20 @@ class Checkpointer:
                 self._fetch_hooked = True
         self._copies_reported = 0
         self._bind_policy()
-        if self.world_size > 1:
-            from cfdist.checkpoint.sync import attach_sync_hook
 
-            for obj in state.values():   # carry Auto's decisions on DDP's own all-reduce
-                if isinstance(getattr(obj, "_orig_mod", obj), torch.nn.parallel.DistributedDataParallel):
-                    attach_sync_hook(obj, self.policy)
+    def _agreement_channel(self, store):
+        """This Checkpointer's namespace in the store ranks agree through (None: one process)."""
+        if self.world_size == 1:
+            return None
+        store = store if store is not None else agreement.default_store()
+        if store is None:
+            raise ValueError(
+                f"world_size={self.world_size} but torch.distributed is not initialised and no store= "
+                f"was given: ranks agree on checkpoint steps, RNG states and the step to restore through "
+                f"a c10d Store. Fix: call torch.distributed.init_process_group() before building the "
+                f"Checkpointer, or pass store= (e.g. a torch.distributed.TCPStore every rank reaches)")
+        return agreement.Channel(store, rank=self.rank, world_size=self.world_size,
+                                 timeout_s=self.config.agree_timeout_s)
 
     # ---- policy wiring -------------------------------------------------------------------------
     def _bind_policy(self) -> None:
@@ -244,7 +276,7 @@ class Checkpointer:
         update_s = time.perf_counter() - t0
         self._step += 1
         epoch_end = self._epoch_end()
-        took = bool(self.policy.should_checkpoint(self._step, epoch_end=epoch_end))
+        took = self._agreed_decision(epoch_end)
         if took:
             stall += self._begin(epoch_end)
         now = time.perf_counter()
@@ -263,6 +295,15 @@ class Checkpointer:
         ))
         self._save_profile()
         return out
+
+    def _agreed_decision(self, epoch_end: bool) -> bool:
+        """Whether this step is a checkpoint step: the same answer on every rank."""
+        propose = getattr(self.policy, "proposal", None)
+        k, save_now = self._freq.at_step(self._step, propose if propose is not None else (lambda: 0))
+        if k and k != self._agreed_k and hasattr(self.policy, "agreed"):
+            self._agreed_k = k
+            self.policy.agreed(k, self._step)
+        return bool(self.policy.should_checkpoint(self._step, epoch_end=epoch_end)) or save_now
 
     _gate_stall = 0.0
 
@@ -284,17 +325,31 @@ class Checkpointer:
         callbacks); call after the scheduler step, before the next batch is fetched."""
         self._on_boundary()
 
-    def save(self, block: bool = False) -> _Handle:
-        """Checkpoint now (preemption notice, end of run), between two training steps.
+    _agreed_k = 0
 
-        ``block=True`` returns once it committed; otherwise ``wait()`` the returned handle.
+    def request_save(self) -> None:
+        """Checkpoint soon, at a step every rank agrees on (a preemption notice, SIGTERM).
+
+        Unlike :meth:`save`, one rank is enough, at any step: in a multi-rank job the request
+        goes through the store and every rank checkpoints the same step, within
+        ``2 * lookahead`` steps; in one process, at the next ``step``. Training thread.
+        """
+        self._freq.request_save()
+
+    def save(self, block: bool = False) -> _Handle:
+        """Checkpoint now (end of run), between two training steps.
+
+        In a multi-rank job call it on every rank at the same step (the writers need every
+        rank's RNG state of that step); for a notice that reaches one rank use
+        :meth:`request_save`. ``block=True`` returns once it committed; otherwise ``wait()``
+        the returned handle.
         """
         self._on_boundary()
         self._harvest()
         self._snap.wait_copied()
-        # Not again for a step already snapshotted (its persist may still be in flight): a
-        # second persist of the same step would have to replace the first one's commit.
-        if self._snapped_step != self._step and self.latest_step != self._step:
+        # Not again for a step already snapshotted or restored (its persist may still be in
+        # flight): a second persist of the same step would have to replace the first's commit.
+        if self._snapped_step != self._step:
             self._begin(self._epoch_end())
         self._on_boundary()
         h = _Handle(self, self._step)
@@ -350,6 +405,8 @@ class Checkpointer:
             "mean_snapshot_s": s["snapshot_s"] / max(s["snapshots"], 1),
             "mean_persist_s": s["persist_s"] / n, "bytes": s["bytes"], "errors": s["errors"],
             "last_error": s["last_error"], "total_stall_s": s["stall_s"],
+            "agreement": self._freq.describe(), "agreement_reads": self._freq.reads,
+            "agreement_wait_s": self._channel.waited_s if self._channel is not None else 0.0,
         }
         extra = getattr(self.policy, "stats", None)
         if callable(extra):
@@ -402,6 +459,8 @@ class Checkpointer:
         st.refresh_optimizer_groups(p["skeleton"], self.state)   # lr after sched.step()
         if "rng" not in p:
             p["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
+        if self._rngx is not None:   # every writer's checkpoint holds every rank's RNG
+            self._rngx.publish(p["step"], p["rng"])
         if self.writer:
             with self._lock:
                 self._ready = p
@@ -469,36 +528,50 @@ class Checkpointer:
         checkpoint is skipped with a warning naming the file and checksums; a checkpoint that
         does not fit the live objects raises ``CheckpointError`` listing the differences.
         Returns the restored step (the number of optimizer steps done), or None if there is
-        no checkpoint at all. Call before training, on every rank.
+        no checkpoint at all. Call before training, on every rank: ranks agree (through the
+        store, once) on the newest step every one of them can load, and all restore it; if
+        there is none while some rank holds a checkpoint, every rank raises
+        ``CheckpointError`` naming what each rank holds. ``step`` (the same on every rank)
+        restores that step or raises. Each rank loads its own RNG states (see
+        :func:`cfdist.checkpoint.state.rank_rng_state`).
         """
         cands = discovery.candidates(self.tiers)
-        if step is not None:
-            cands = [c for c in cands if c.step == step]
-            if not cands:
-                raise CheckpointError(f"step {step} is not committed in any of "
-                                      f"{[t[0].url for t in self.tiers]}")
-        if not cands:
+        if step is not None and self._channel is None and not any(c.step == step for c in cands):
+            raise CheckpointError(f"step {step} is not committed in any of {[t[0].url for t in self.tiers]}")
+        loaded: dict = {}
+
+        def try_load(s: int) -> str | None:
+            errs = []
+            for c in (c for c in cands if c.step == s):
+                where = c.storages[0].url_of(step_dir(c.step))
+                try:
+                    m, tensors = discovery.load_verified(c.storages, c.step, verify=self.config.verify)
+                    saved, _ = discovery.decode_state(m, tensors, where=where)
+                    rng = st.rank_rng_state(m, self.rank, where=where)
+                except (CheckpointError, OSError) as e:
+                    errs.append(f"step {c.step} in {c.storages[0].url}: {e}")
+                    warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({e}); "
+                                  f"falling back to an older one", RuntimeWarning, stacklevel=4)
+                    continue
+                st.check_compatible(self.state, saved)
+                loaded.update(c=c, saved=saved, rng=rng)
+                return None
+            return "; ".join(errs) or f"step {s} is not held here"
+
+        self._restores += 1
+        got = agreement.agree_restore(self._channel, held=[c.step for c in cands], want=step,
+                                      try_load=try_load, call=self._restores)
+        if got is None:
             return None
-        rejected = []
-        for c in cands:
-            try:
-                m, tensors = discovery.load_verified(c.storages, c.step, verify=self.config.verify)
-                saved, rng = discovery.decode_state(m, tensors, where=c.storages[0].url_of(step_dir(c.step)))
-            except (CheckpointError, OSError) as e:
-                rejected.append(f"step {c.step} in {c.storages[0].url}: {e}")
-                warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({e}); "
-                              f"falling back to an older one", RuntimeWarning, stacklevel=2)
-                continue
-            st.check_compatible(self.state, saved)
-            st.apply(self.state, saved)
-            st.set_rng_state(rng)
-            self._step = c.step
-            if self.latest_step is None or c.tier == 0:
-                self.latest_step = c.step if c.tier == 0 else self.latest_step
-            self._record_restart(c.step)
-            log.info("restored step %d from %s (tier %d)", c.step, c.storages[0].url_of(step_dir(c.step)), c.tier)
-            return c.step
-        raise CheckpointError("no usable checkpoint; found and rejected:\n  " + "\n  ".join(rejected))
+        c = loaded["c"]
+        st.apply(self.state, loaded["saved"])
+        st.set_rng_state(loaded["rng"])
+        self._step = self._snapped_step = c.step
+        if self.latest_step is None or c.tier == 0:
+            self.latest_step = c.step if c.tier == 0 else self.latest_step
+        self._record_restart(c.step)
+        log.info("restored step %d from %s (tier %d)", c.step, c.storages[0].url_of(step_dir(c.step)), c.tier)
+        return c.step
 
     def _record_restart(self, step: int) -> None:
         if not self.writer:

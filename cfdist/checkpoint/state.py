@@ -11,6 +11,10 @@ Entries are captured at two instants of the same step boundary (invariant 3):
   (a scheduler rewrites their ``lr``), and the RNG states. The RNG is captured early instead
   when no data iterator announces the next fetch (``register_before_next_hook``): the next
   forward comes after that fetch, which may already have drawn from the RNG (augmentation).
+
+RNG states are per rank: every rank captures its own (torch CPU, CUDA when initialised, numpy,
+python), the writers collect them all (``rngs`` in the manifest, one per rank) and each rank
+restores its own (:func:`rank_rng_state`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cfdist.checkpoint.flatten import flatten
+from cfdist.checkpoint.flatten import flatten, unflatten
 from cfdist.checkpoint.format import CheckpointError
 
 EARLY, LATE = "early", "late"
@@ -95,6 +99,49 @@ def set_rng_state(st: dict) -> None:
         np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), int(n[2]), int(n[3]), float(n[4])))
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(st["cuda"]))
+    if "cuda_seed" in st and torch.cuda.is_available():
+        torch.cuda.manual_seed_all(st["cuda_seed"])
+
+
+def derived_rng_state(run_seed: int, rank: int, step: int) -> dict:
+    """RNG states for a rank a checkpoint has none for (an elastic resume on more ranks).
+
+    Deterministic: every generator (torch CPU and CUDA, python, numpy modulo 2**32) is seeded
+    with the first 8 bytes of ``sha256(f"cfdist-rng/{run_seed}/{rank}/{step}")`` (less its top
+    bit), where ``run_seed`` is ``initial_seed()`` of rank 0's saved torch generator and ``step``
+    the restored step. Different ranks, and the same rank restored at different steps, draw
+    different streams.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(f"cfdist-rng/{run_seed}/{rank}/{step}".encode()).digest()
+    seed = int.from_bytes(digest[:8], "little") >> 1
+    return {"torch": torch.Generator().manual_seed(seed).get_state(), "python": random.Random(seed).getstate(),
+            "numpy": np.random.RandomState(seed % 2 ** 32).get_state(), "cuda_seed": seed}
+
+
+def rank_rng_state(manifest: dict, rank: int, *, where: str) -> dict:
+    """The RNG states ``rank`` resumes with, from a checkpoint's manifest.
+
+    ``rngs`` (one per saved rank): rank ``r`` gets its own, a rank beyond them gets
+    :func:`derived_rng_state`. A manifest with a single ``rng``: saved by one process
+    (``world_size`` 1), it is rank 0's and other ranks are derived; saved by an older cfdist on
+    several ranks, every rank gets it, as that version did. ``CheckpointError`` if malformed.
+    """
+    try:
+        rngs = manifest.get("rngs")
+        if rngs is None:
+            one = unflatten(manifest.get("rng", {}), {})
+            if rank == 0 or manifest.get("world_size", 1) > 1 or not one:
+                return one
+            rngs = [manifest["rng"]]
+        if rank < len(rngs):
+            return unflatten(rngs[rank], {})
+        first = unflatten(rngs[0], {})
+        seed = torch.Generator().set_state(first["torch"]).initial_seed() if "torch" in first else 0
+        return derived_rng_state(seed, rank, int(manifest["step"]))
+    except (KeyError, ValueError, TypeError, RuntimeError, AttributeError) as e:
+        raise CheckpointError(f"{where}: the manifest's RNG states are malformed ({type(e).__name__}: {e})") from None
 
 
 def _key_diffs(prefix: str, live, saved, where: str) -> list[str]:

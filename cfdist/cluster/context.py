@@ -89,8 +89,10 @@ class TrainContext:
         """A :class:`cfdist.Checkpointer` wired to this node's actor and tiers.
 
         Call once per rank, after building the model/optimizer/loader, before training. Local
-        rank 0 of each node writes (through the node actor); other ranks only count steps. Its
-        ``restore()`` loads the step the controller chose for every rank of this attempt. Call it
+        rank 0 of each node writes (through the node actor), every rank's RNG states included;
+        other ranks only count steps. Its ``restore()`` loads the step the controller chose for
+        every rank of this attempt (all ranks call it; if one cannot load that step, every rank
+        raises ``CheckpointError``). Call it
         once per rank (one memory and one local tier per node and run). Extra keyword arguments
         go to the Checkpointer (``verify``, ...).
         """
@@ -124,7 +126,8 @@ class TrainContext:
 
     # ---- hooks from the checkpointer -------------------------------------------------------------
     def _on_step(self, ck: "_FitCheckpointer") -> bool:
-        """After every ``ckpt.step``: record the step; True when a save was requested."""
+        """After every ``ckpt.step``: record the step; True when a save was requested (the
+        checkpointer then asks for one at a step every rank agrees on)."""
         self._step = ck.step_count
         with self._lock:
             if self.rank == 0:
@@ -143,7 +146,8 @@ class TrainContext:
     # ---- driver side (another thread of the worker actor) ------------------------------------------
     def _notify(self, *, preempted: bool, save: bool) -> None:
         """A preemption notice: set ``preempted`` (this node goes away); with ``save``,
-        checkpoint at the next step (every node's writer does: a surviving copy covers)."""
+        checkpoint soon, at a step every rank agrees on (``Checkpointer.request_save``: every
+        node's writer then persists it, so a surviving copy covers)."""
         if preempted:
             self._preempted.set()
         if save:
@@ -157,11 +161,14 @@ class TrainContext:
         return out
 
     def _finish(self) -> dict:
-        """After the loop returned: commit a final checkpoint of every checkpointer, close them."""
+        """After the loop returned: commit a final checkpoint of every checkpointer, close them.
+
+        Every rank calls ``save`` (the writers need every rank's RNG state of the last step);
+        it does nothing where the last step was already checkpointed or restored."""
         out = {}
         for ck in self._ckpts:
             if not getattr(ck, "_closed", False):
-                if ck.writer and ck.step_count and ck.latest_step != ck.step_count:
+                if ck.step_count:
                     ck.save(block=True)
                 ck.close()
             out = {"final_step": ck.step_count, "latest_step": ck.latest_step,
@@ -178,8 +185,8 @@ class _FitCheckpointer(Checkpointer):
 
     def step(self, optimizer=None, closure=None):
         out = super().step(optimizer, closure)
-        if self._ctx._on_step(self) and self.writer:
-            self.save(block=False)   # preemption notice: checkpoint this step now
+        if self._ctx._on_step(self):
+            self.request_save()   # preemption notice: every rank checkpoints the same step soon
         return out
 
     def restore(self, step: int | None = None) -> int | None:

@@ -13,19 +13,13 @@ Phases, per process:
    and Young/Daly's optimum when the MTBF is known (given, or estimated from this run's restarts);
 3. **tune** ``k`` from the measured overhead (:class:`cfdist.policy.tuner.Tuner`).
 
-Agreement across ranks. Only rank 0's measurements decide ``k``. With ``world_size > 1`` the
-value travels on the gradient all-reduce that DDP already does (:mod:`cfdist.checkpoint.sync`):
-rank 0 puts its current ``k`` on the all-reduce of every step, every rank reads it after the
-backward of step ``s`` and applies it from ``should_checkpoint(s)`` on -- the same step
-everywhere, because all ranks run the same backward before the same ``ckpt.step``. A change is
-therefore applied one step after rank 0 decided it, on every rank including rank 0. Until the
-first value arrives all ranks follow the same profiling plan, derived from the step count.
-The snapshot mode stays rank-local (each snapshotting rank knows its own memory).
-
-Without the carrier (``Auto(sync=False)``, or no DDP model) a multi-rank job cannot agree on a
-measured ``k``: every rank then uses the cached profile's ``k`` (all ranks must read the same
-cache, i.e. shared storage) or ``unsynced_k``, and tuning is off; rank 0 still profiles so the
-next run has a cache.
+Agreement across ranks. Only rank 0's measurements decide ``k``: :meth:`Auto.proposal` is
+rank 0's current choice, and the checkpointer hands every rank the agreed value with
+:meth:`Auto.agreed` (:class:`cfdist.checkpoint.agreement.Frequency`: in one process at once; on
+several ranks through the c10d Store, a few steps later, at the same step on every rank, rank
+0 included). The policy itself does no I/O. Until the first value arrives all ranks follow the
+same profiling plan, derived from the step count. The snapshot mode stays rank-local (each
+snapshotting rank knows its own memory).
 """
 
 from __future__ import annotations
@@ -60,10 +54,6 @@ class AutoConfig:
     """Tune k from the measured overhead after profiling (False: keep the profiled k)."""
     gpu_headroom: float = 0.05
     """Fraction of GPU memory a GPU snapshot must leave free."""
-    sync: bool = True
-    """Carry rank 0's k on the gradient all-reduce (needs a DDP model and no user comm hook)."""
-    unsynced_k: int = 100
-    """k for a multi-rank job without the carrier and without a cached profile."""
     tuning: TunerConfig = field(default_factory=TunerConfig)
     """Knobs of the adaptive tuner."""
 
@@ -82,8 +72,6 @@ class AutoConfig:
                              f"{profiler.MIN_STEPS} (fewer cannot separate warm-up from samples)")
         if not (0 <= self.gpu_headroom < 1):
             raise ValueError(f"Auto(gpu_headroom={self.gpu_headroom!r}) must be a fraction in [0, 1)")
-        if not (isinstance(self.unsynced_k, int) and self.unsynced_k >= 1):
-            raise ValueError(f"Auto(unsynced_k={self.unsynced_k!r}) must be an int >= 1")
         if not isinstance(self.tuning, TunerConfig):
             raise TypeError(f"Auto(tuning=...) takes a TunerConfig, got {type(self.tuning).__name__}")
 
@@ -92,8 +80,8 @@ class Auto:
     """The self-tuning checkpoint policy (the default of :class:`cfdist.Checkpointer`).
 
     Called by the checkpointer from the training thread: ``bind`` once, then per step
-    ``should_checkpoint`` and ``observe``. Not thread-safe except :meth:`sync_payload`, which the
-    DDP comm hook calls from the backward pass (it only reads one int).
+    ``agreed`` (when the agreed k changes), ``should_checkpoint`` and ``observe``; ``proposal``
+    whenever the checkpointer publishes rank 0's k. Not thread-safe.
     """
 
     Config = AutoConfig
@@ -103,7 +91,6 @@ class Auto:
         self.k: int | None = None
         self.mode: str = "cpu"
         self.ctx = PolicyContext()
-        self._fetch = None           # the carrier's reader, set by sync_attached
         self._first: int | None = None
         self._last_ckpt = 0
         self._profiler: profiler.Profiler | None = None
@@ -113,11 +100,10 @@ class Auto:
         self._decided_k = 0
         self._from_cache = False
         self._tuner: Tuner | None = None
-        self._proposal = 0           # rank 0's k to carry (0: none yet)
-        self._why: tuple[str, dict] = ("", {})
+        self._proposal = 0           # rank 0's k to publish (0: none yet)
+        self._why: dict[int, tuple[str, dict]] = {}   # rank 0: why each proposed k
         self._changes: list[dict] = []
         self._to_save: dict | None = None
-        self._fixed: bool | None = None   # multi-rank without carrier: k is not measured
         self.mtbf_s, self.mtbf_source = self.config.mtbf_s, ("given" if self.config.mtbf_s else None)
 
     def __repr__(self) -> str:
@@ -137,10 +123,9 @@ class Auto:
             self._load_cache(ctx.cached_profile)
 
     def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
-        """Same answer on every rank: a function of the step count and of rank 0's carried k."""
+        """Same answer on every rank: a function of the step count and of the agreed k."""
         if self._first is None:
             self._start(step)
-        self._apply_agreed(step)
         if self.k is None:
             plan = self._profiler.snapshot_at(step - self._first + 1) if self._profiler else None
             take = plan is not None or (epoch_end and self.config.at_epoch_end)
@@ -162,7 +147,7 @@ class Auto:
             elif rel == 10 * self._profiler.steps and self.k is None:
                 log.warning("Auto still profiling after %d steps: waiting for %s (is the checkpointer "
                             "reporting snapshot and persist times?)", rel, self._profiler.missing(rel))
-        elif self._tuner is not None and self.config.adaptive and not self._fixed:
+        elif self._tuner is not None and self.config.adaptive:
             ch = self._tuner.observe(m)
             if ch is not None:
                 self._propose(ch.k_new, ch.reason, ch.inputs)
@@ -188,29 +173,29 @@ class Auto:
             "changes": [dict(c) for c in self._changes],
             "expected_lost_work": lost, "mtbf_s": self.mtbf_s, "mtbf_source": self.mtbf_source,
             "overhead_last_window": self._tuner.last_overhead if self._tuner else None,
-            "synced": self._fetch is not None,
         }
 
     @property
     def phase(self) -> str:
-        if self._fixed:
-            return "fixed"
         if self.k is None:
             return "profiling"
         return "tuning" if self.config.adaptive else "profiled"
 
-    # ---- the carrier (cfdist.checkpoint.sync) --------------------------------------------------
-    sync_width = 1
+    # ---- agreement (the checkpointer does the store I/O) ---------------------------------------
+    def proposal(self) -> int:
+        """This rank's choice of k (0 while profiling); rank 0's is the one every rank agrees on."""
+        return self._proposal if self._proposes else 0
 
-    def sync_payload(self) -> tuple[int]:
-        """What rank 0 sends: its current k (0 while profiling). Called from the backward pass."""
-        return (self._proposal if self.ctx.rank == 0 else 0,)
-
-    def sync_attached(self, fetch) -> None:
-        """The comm hook is in place; ``fetch()`` returns the latest carried tuple or None."""
-        if not self.config.sync:
-            raise RuntimeError("Auto(sync=False) refuses the DDP sync hook; do not attach it")
-        self._fetch = fetch
+    def agreed(self, k: int, step: int) -> None:
+        """The k every rank uses from ``should_checkpoint(step)`` on (the same call on every rank)."""
+        if self._first is None:
+            self._start(step)
+        if k > 0 and k != self.k:
+            if self._proposes and k in self._why:
+                reason, inputs = self._why[k]
+            else:
+                reason, inputs = f"k={k} agreed from rank 0", {}
+            self._set_k(k, step, reason, inputs)
 
     # ---- internals -----------------------------------------------------------------------------
     @property
@@ -219,36 +204,10 @@ class Auto:
 
     def _start(self, step: int) -> None:
         self._first, self._last_ckpt = step, step - 1
-        multi = self.ctx.world_size > 1
-        self._fixed = multi and self._fetch is None
-        if self._fixed:
-            k = self._decided_k if self._from_cache else self.config.unsynced_k
-            why = "cached profile" if self._from_cache else f"unsynced_k={self.config.unsynced_k}"
-            log.warning("Auto on %d ranks without the DDP sync hook: k=%d fixed (%s), no tuning. "
-                        "Wrap the model in DistributedDataParallel inside the Checkpointer's state "
-                        "(and leave its comm hook to cfdist) to let rank 0's measurements decide.",
-                        self.ctx.world_size, k, why)
-            self._set_k(k, step, f"k={k} fixed: {why} (no sync hook on {self.ctx.world_size} ranks)", {})
         if self._profile is None:
             steps = self.config.profile_steps or profiler.profile_steps(self.ctx.iters_per_epoch)
-            # fixed k never asks for a GPU snapshot, so a fixed run profiles CPU snapshots only
-            gpu = self.ctx.device.startswith("cuda") and not self._fixed
+            gpu = self.ctx.device.startswith("cuda")
             self._profiler = profiler.Profiler(steps=steps, has_gpu=gpu, state_bytes=self.ctx.state_bytes)
-
-    def _apply_agreed(self, step: int) -> None:
-        if self._fixed:
-            return
-        if self._fetch is not None:
-            vals = self._fetch()
-            k = int(vals[0]) if vals else 0
-        else:
-            k = self._proposal
-        if k > 0 and k != self.k:
-            if self._proposes and k == self._proposal:
-                reason, inputs = self._why
-            else:
-                reason, inputs = f"k={k} carried from rank 0", {}
-            self._set_k(k, step, reason, inputs)
 
     def _set_k(self, k: int, step: int, reason: str, inputs: dict) -> None:
         old, self.k = self.k, k
@@ -259,15 +218,13 @@ class Auto:
     def _propose(self, k: int, reason: str, inputs: dict) -> None:
         if not self._proposes:
             return
-        self._proposal, self._why = k, (reason, inputs)
+        self._proposal, self._why[k] = k, (reason, inputs)
         log.info("%s", reason)
 
     def _finish_profile(self, step: int) -> None:
         M, Mmax = profiler.gpu_memory(self.ctx.device)
         self._profile = self._profiler.result(M=M, Mmax=Mmax)
         self._decide(from_cache=None)
-        if self._fixed:  # k stays; cache what was measured for the next run
-            self._to_save = self._cache_dict(self._decided_k)
 
     def _decide(self, from_cache: dict | None) -> None:
         cfg = self.config

@@ -17,9 +17,12 @@ Optional hooks, called by the checkpointer when a policy has them (``cfdist.Auto
 * ``profile_to_save() -> dict | None``: a JSON-able profile to write (atomically) to storage as
   ``profile-{profile_key(ctx)}.json``; None when there is nothing new. Safe to call every step;
 * ``stats() -> dict``: merged into ``Checkpointer.stats``;
-* ``sync_width`` / ``sync_payload()`` / ``sync_attached(fetch)``: the carrier protocol of
-  :func:`cfdist.checkpoint.sync.attach_sync_hook` (numbers rank 0 sends to every rank on the
-  gradient all-reduce).
+* ``proposal() -> int`` and ``agreed(k, step)``: a policy whose interval comes from rank-local
+  measurements proposes ``k`` (0: none yet); the checkpointer publishes rank 0's proposal and
+  calls ``agreed(k, step)`` on every rank with the value in force from ``should_checkpoint(step)``
+  on, at the same step everywhere (:mod:`cfdist.checkpoint.agreement`: at once in one process,
+  a few steps later through the c10d Store on several ranks). The policy never talks to the
+  store itself.
 """
 
 from __future__ import annotations

@@ -22,26 +22,29 @@ from cfdist.policy.base import StepMeasurement
 
 def simulate(
     policies: Sequence, steps: int, *, Ti: float = 0.1, Tw: float = 0.01, Tsnap: float = 0.02,
-    To: float = 0.02, Ts: Callable[[int], float] = lambda step: 0.5, carry: bool = False,
+    To: float = 0.02, Ts: Callable[[int], float] = lambda step: 0.5, agreements: Sequence | None = None,
     writer: int = 0, start: int = 1, nbytes: int = 1000, trace: list | None = None,
 ) -> tuple[list[list[int]], float, float]:
     """Run ``policies`` (one per rank, same steps) for ``steps`` steps from step ``start``.
 
     Returns ``(checkpointed steps per rank, virtual time, time without checkpointing)``.
-    ``carry``: before each step hand rank 0's ``sync_payload()`` to every rank's fetch, as the
-    DDP comm hook does during the backward. Only rank ``writer`` sees snapshot and persist
-    times. ``trace``, when given, receives each step's duration. Raises AssertionError when the
+    Before each step every rank learns the agreed k as the checkpointer hands it over: from
+    ``agreements`` (one per rank, e.g. :class:`cfdist.checkpoint.agreement.Frequency` objects
+    over a shared store) when given, else rank 0's ``proposal()`` at once. Only rank ``writer``
+    sees snapshot and persist times. ``trace``, when given, receives each step's duration. Raises AssertionError when the
     ranks disagree on a step.
     """
-    carried: list = [None]
-    if carry:
-        for p in policies:
-            p.sync_attached(lambda: carried[0])
+    agreed = [0] * len(policies)
     t, persist_end, inflight, snap_stall, base = 0.0, float("-inf"), None, 0.0, 0.0
     took_by_rank: list[list[int]] = [[] for _ in policies]
     for s in range(start, start + steps):
-        if carry:
-            carried[0] = policies[0].sync_payload()
+        for r, p in enumerate(policies):
+            if not hasattr(p, "agreed"):
+                continue
+            k = agreements[r].at_step(s, p.proposal)[0] if agreements else policies[0].proposal()
+            if k and k != agreed[r]:
+                agreed[r] = k
+                p.agreed(k, s)
         it, stall, snap_stall = Ti + snap_stall, snap_stall, 0.0
         decisions = [p.should_checkpoint(s) for p in policies]
         if len(set(decisions)) != 1:

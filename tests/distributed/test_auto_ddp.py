@@ -1,12 +1,15 @@
-"""``cfdist.Auto`` under 2-rank DDP on gloo: same checkpoint steps everywhere, no extra collective.
+"""``cfdist.Auto`` on 3 and 4 gloo ranks: the same checkpoint steps everywhere, gradients untouched.
 
-Real: two spawned processes, a gloo process group over a TCPStore on 127.0.0.1 (port 0, chosen
-by the parent's store), DDP, the Checkpointer and the carrier comm hook; rank 0 persists to a
+Real: 3 or 4 spawned processes, a gloo process group over a TCPStore on 127.0.0.1 (port 0,
+chosen by the parent's store), DDP with and without a user's comm hook (a hand-written
+all-reduce hook, DDP's ``fp16_compress_hook``), a job without DDP that all-reduces gradients
+itself, the Checkpointer agreeing through the job's own c10d Store; rank 0 persists to a
 ``file://`` directory through a throttling wrapper that is cut 25x mid-run so that k changes.
-Faked: nothing else. The points: both ranks take exactly the same checkpoint steps and apply
-every change of k at the same step; a step issues exactly as many torch.distributed collectives
-with cfdist as without it (counted by the process group's collective sequence number); the hook
-leaves the averaged gradients bit-identical to DDP's default all-reduce.
+Faked: nothing else. The points: every rank takes exactly the same checkpoint steps and applies
+every change of k at the same step; gradients and final parameters are bit-identical
+(``torch.equal``) to the same DDP model trained without cfdist, at world sizes that are not
+powers of two and with the user's hook; a step issues exactly as many collectives on the
+training group with cfdist as without it (counted by the group's collective sequence number).
 """
 
 from __future__ import annotations
@@ -20,31 +23,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cfdist.checkpoint import Checkpointer
-from cfdist.checkpoint.sync import SyncHookError, attach_sync_hook
 from cfdist.policy import Auto, TunerConfig
 from cfdist.storage import open_storage
 from cfdist.storage.faults import throttle
 
-WORLD = 2
 STEPS_FAST, STEPS_SLOW = 50, 90
-
-
-class Carry:
-    """The smallest carrier policy: sends ``value`` from every rank (only rank 0's travels)."""
-
-    sync_width = 1
-
-    def __init__(self, value):
-        self.value, self.fetch = value, None
-
-    def sync_payload(self):
-        return (self.value,)
-
-    def sync_attached(self, fetch):
-        self.fetch = fetch
+PLAIN_STEPS = 32
 
 
 class RecordingAuto(Auto):
@@ -61,6 +49,16 @@ class RecordingAuto(Auto):
         return t
 
 
+def _users_allreduce_hook(state, bucket):
+    """A user's own hook (sum, then divide: not DDP's fused path). No annotations: DDP checks them."""
+    buf = bucket.buffer()
+    world = dist.get_world_size()
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0].div_(world))
+
+
+HOOKS = {"none": None, "users_allreduce": _users_allreduce_hook, "fp16_compress": default_hooks.fp16_compress_hook}
+
+
 def _collectives(pg) -> int:
     """Collectives this process issued on ``pg`` so far (gloo's sequence number counts each)."""
     return pg._get_sequence_number_for_group()
@@ -71,111 +69,137 @@ def _model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Tanh(), torch.nn.Linear(256, 128))
 
 
+def _ddp(hook):
+    m = DDP(_model())
+    if HOOKS[hook] is not None:
+        m.register_comm_hook(None, HOOKS[hook])
+    return m, torch.optim.SGD(m.parameters(), lr=1e-3)
+
+
 def _batch(rank, i):
     g = torch.Generator().manual_seed(1000 * i + rank)
     return torch.randn(4, 128, generator=g)
 
 
-def _worker(rank, port, root, out):
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+def _side_by_side(rank, pg, hook, steps, ckpt_of, slow_at=None, storage=None):
+    """Train the same DDP model without and with cfdist, step by step; returns what to assert."""
+    ref, ref_opt = _ddp(hook)
+    ddp, opt = _ddp(hook)
+    ckpt, policy = ckpt_of(ddp, opt)
+    res = {"grads_equal": True, "base_counts": [], "counts": []}
+    for i in range(steps):
+        if i == slow_at:
+            # 25x slower: a persist (~1.6 s) then outlasts any interval the profile can pick
+            # (k <= ~31 steps of ~20 ms), so the tuner must raise k on every machine load.
+            storage.set_bytes_per_s((4 << 20) / 25)
+        c0 = _collectives(pg)
+        ref(_batch(rank, i)).square().mean().backward()
+        ref_opt.step()
+        c1 = _collectives(pg)
+        ddp(_batch(rank, i)).square().mean().backward()
+        res["grads_equal"] &= all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), ddp.parameters()))
+        ckpt.step(opt)
+        c2 = _collectives(pg)
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        res["base_counts"].append(c1 - c0)
+        res["counts"].append(c2 - c1)
+        time.sleep(0.01)
+    ckpt.close()
+    res["params_equal"] = all(torch.equal(a, b) for a, b in zip(ref.parameters(), ddp.parameters()))
+    st = ckpt.stats
+    res.update(took=policy.took, k=policy.k, phase=st["phase"], agreement=st["agreement"],
+               reads=st["agreement_reads"], wait_s=st["agreement_wait_s"],
+               changes=[(c["step"], c["k_old"], c["k_new"]) for c in st["changes"]],
+               reasons=[c["reason"] for c in st["changes"]])
+    return res
+
+
+def _worker(rank, world, hooks, tune_last, port, root, out):
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     pg = dist.distributed_c10d._get_default_group()
     res = {}
     try:
-        # ---- 1. the hook keeps DDP's averaged gradients bit for bit ----------------------------
-        plain, hooked = DDP(_model()), DDP(_model())
-        carrier_policy = Carry(123457 if rank == 0 else 999)  # only rank 0's value travels
-        assert attach_sync_hook(hooked, carrier_policy) is True
-        assert attach_sync_hook(hooked, carrier_policy) is True  # idempotent
-        assert carrier_policy.fetch() is None  # nothing carried before the first backward
-        for i in range(3):
-            x = _batch(rank, i)
-            plain(x).square().mean().backward()
-            hooked(x).square().mean().backward()
-            for a, b in zip(plain.parameters(), hooked.parameters()):
-                assert torch.equal(a.grad, b.grad), "the carrier hook changed a gradient"
-        res["carried"] = list(carrier_policy.fetch())
+        # ---- 1. Auto with each hook, side by side with the same model without cfdist ------------
+        for n, hook in enumerate(hooks):
+            tuned = tune_last and n == len(hooks) - 1   # long enough for the tuner to change k
+            storage = open_storage(f"file://{root}/{hook}")
+            if rank == 0:
+                storage = throttle(storage, bytes_per_s=4 << 20)
 
-        # ---- 2. another comm hook is refused with a fix ----------------------------------------
-        def users_own_hook(state, bucket):
-            return torch.futures.Future()
+            def ckpt_of(ddp, opt):
+                policy = RecordingAuto(profile_steps=10, tuning=TunerConfig(window_steps=10))
+                return Checkpointer({"model": ddp, "opt": opt}, storage=storage, policy=policy), policy
 
-        other = DDP(_model())
-        other.register_comm_hook(None, users_own_hook)
-        try:
-            attach_sync_hook(other, Auto())
-            res["conflict"] = None
-        except SyncHookError as e:
-            res["conflict"] = str(e)
+            res[hook] = _side_by_side(rank, pg, hook, STEPS_FAST + STEPS_SLOW if tuned else PLAIN_STEPS,
+                                      ckpt_of, slow_at=STEPS_FAST if tuned and rank == 0 else None,
+                                      storage=storage)
 
-        # ---- 3. baseline: collectives per step without cfdist -------------------------------
-        base = DDP(_model())
-        opt = torch.optim.SGD(base.parameters(), lr=1e-3)
-        res["base_counts"] = []
-        for i in range(STEPS_FAST + STEPS_SLOW):
-            c0 = _collectives(pg)
-            base(_batch(rank, i)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            res["base_counts"].append(_collectives(pg) - c0)
-
-        # ---- 4. Auto with the checkpointer ------------------------------------------------------
-        ddp = DDP(_model())
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        storage = open_storage(f"file://{root}")
-        if rank == 0:
-            storage = throttle(storage, bytes_per_s=4 << 20)
-        policy = RecordingAuto(profile_steps=10, tuning=TunerConfig(window_steps=10))
-        ckpt = Checkpointer({"model": ddp, "opt": opt}, storage=storage, policy=policy)
-        if not policy.stats()["synced"]:  # until the checkpointer attaches it itself
-            attach_sync_hook(ddp, policy)
-        res["counts"] = []
-        for i in range(STEPS_FAST + STEPS_SLOW):
-            if i == STEPS_FAST and rank == 0:
-                # 25x slower: a persist (~1.6 s) then outlasts any interval the profile can pick
-                # (k <= ~31 steps of ~20 ms), so the tuner must raise k on every machine load.
-                storage.set_bytes_per_s((4 << 20) / 25)
-            c0 = _collectives(pg)
-            ddp(_batch(rank, i)).square().mean().backward()
+        # ---- 2. no DDP: the job all-reduces gradients itself ---------------------------------
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        policy = RecordingAuto(profile_steps=10)
+        ckpt = Checkpointer({"model": model, "opt": opt}, storage=f"file://{root}/noddp", policy=policy)
+        for i in range(40):
+            model(_batch(rank, i)).square().mean().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
             ckpt.step(opt)
             opt.zero_grad()
-            res["counts"].append(_collectives(pg) - c0)
-            time.sleep(0.01)
         ckpt.close()
-        st = policy.stats()
-        res.update(took=policy.took, k=policy.k, synced=st["synced"], phase=st["phase"],
-                   changes=[(c["step"], c["k_old"], c["k_new"]) for c in st["changes"]],
-                   reasons=[c["reason"] for c in st["changes"]])
+        res["noddp"] = {"took": policy.took, "k": policy.k,
+                        "changes": [(c["step"], c["k_old"], c["k_new"]) for c in ckpt.stats["changes"]]}
     finally:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_two_ranks_checkpoint_the_same_steps_with_no_extra_collective(tmp_path):
-    # the collective counter this test relies on (present in the torch CI installs)
-    assert hasattr(dist.ProcessGroup, "_get_sequence_number_for_group")
-    store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False,
+def _run(tmp_path, world, hooks, *, tuned=True):
+    assert hasattr(dist.ProcessGroup, "_get_sequence_number_for_group")  # the collective counter
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(_worker, args=(store.port, (tmp_path / "ck").as_posix(), str(out)), nprocs=WORLD, join=True)
-    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD))
+    mp.spawn(_worker, args=(world, hooks, tuned, store.port, (tmp_path / "ck").as_posix(), str(out)),
+             nprocs=world, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
-    assert r0["carried"] == r1["carried"] == [123457]
-    assert "Auto(sync=False)" in r0["conflict"] and "Every(k)" in r0["conflict"]
 
-    # no extra collective: per step, exactly the all-reduces plain DDP issues
-    assert r0["counts"] == r0["base_counts"] and r1["counts"] == r1["base_counts"]
-    assert min(r0["base_counts"]) >= 1  # the counter does see DDP's all-reduce
+def _assert_agreed_and_untouched(rs, hook, *, tuned):
+    r0 = rs[0][hook]
+    for r, res in enumerate(rs):
+        x = res[hook]
+        assert x["grads_equal"] and x["params_equal"], f"rank {r}: cfdist changed a gradient with hook {hook}"
+        assert x["counts"] == x["base_counts"], f"rank {r}: cfdist added a collective on the training group"
+        assert min(x["base_counts"]) >= 1   # the counter does see DDP's all-reduce
+        assert x["took"] == r0["took"] and x["changes"] == r0["changes"] and x["k"] == r0["k"], r
+        assert x["agreement"].startswith("c10d store")
+        assert (x["reads"] > 0) == (r > 0)   # only the other ranks read rank 0's decisions
+    assert r0["took"][0] == 10               # the planned profiling snapshot, on every rank
+    if tuned:
+        assert r0["phase"] == "tuning" and len(r0["took"]) >= 4
+        assert len(r0["changes"]) >= 2 and r0["changes"][-1][2] > r0["changes"][0][2], r0["reasons"]
+        assert all(" because " in r for r in r0["reasons"])
+        assert all("agreed from rank 0" in r for res in rs[1:] for r in res[hook]["reasons"])
 
-    # the same steps on both ranks, and every change of k applied at the same step
-    assert r0["synced"] and r1["synced"] and r0["phase"] == r1["phase"] == "tuning"
-    assert r0["took"] == r1["took"] and len(r0["took"]) >= 4
-    assert r0["changes"] == r1["changes"] and len(r0["changes"]) >= 2, r0["reasons"]
-    assert r0["k"] == r1["k"]
-    assert all(" because " in r for r in r0["reasons"])
-    assert all("carried from rank 0" in r for r in r1["reasons"])
-    assert r0["took"][0] == 10  # the planned profiling snapshot, on both ranks
+
+@pytest.mark.slow
+def test_three_ranks_plain_ddp_and_a_users_hook_stay_bit_identical_and_agree(tmp_path):
+    rs = _run(tmp_path, 3, ["none", "users_allreduce"])
+    _assert_agreed_and_untouched(rs, "none", tuned=False)
+    _assert_agreed_and_untouched(rs, "users_allreduce", tuned=True)
+    noddp = [r["noddp"] for r in rs]
+    assert all(x == noddp[0] for x in noddp) and noddp[0]["took"][0] == 10 and noddp[0]["changes"]
+
+
+@pytest.mark.slow
+def test_four_ranks_with_fp16_compression_hook_agree(tmp_path):
+    rs = _run(tmp_path, 4, ["fp16_compress"], tuned=False)
+    _assert_agreed_and_untouched(rs, "fp16_compress", tuned=False)
+    assert rs[0]["fp16_compress"]["changes"][0][1:] == [None, rs[0]["fp16_compress"]["k"]]   # profiled k agreed
+    noddp = [r["noddp"] for r in rs]
+    assert all(x == noddp[0] for x in noddp) and noddp[0]["changes"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch.distributed
 
+from cfdist.checkpoint.agreement import Channel, Frequency
 from cfdist.policy import profiler
 from cfdist.policy.auto import Auto, AutoConfig
 from cfdist.policy.base import PolicyContext, StepMeasurement, profile_key
@@ -59,7 +61,8 @@ def test_profiling_snapshots_at_planned_steps_then_uses_k(gpu, plan):
                                   snapshot_device=seen.get(s), persist_s=0.3 if s == 11 else None,
                                   persist_bytes=1000 if s == 11 else None))
     assert seen == plan
-    assert p.k is None and p.phase == "profiling"
+    assert p.k is None and p.phase == "profiling" and p.proposal() > 0
+    p.agreed(p.proposal(), 13)   # what the checkpointer hands over (at once in one process)
     assert p.should_checkpoint(13) is False and p.k is not None and p.phase == "tuning"
 
 
@@ -67,6 +70,8 @@ def test_gpu_snapshot_refused_falls_back_to_cpu_mode():
     p = Auto(profile_steps=10)
     p.bind(PolicyContext(device="cuda", state_bytes=1000))
     for s in range(1, 14):
+        if p.proposal():
+            p.agreed(p.proposal(), s)
         took = p.should_checkpoint(s)
         p.observe(StepMeasurement(step=s, iter_s=0.1, update_s=0.01, checkpointed=took,
                                   snapshot_s=0.01 if took else None, snapshot_device="cpu" if took else None,
@@ -277,35 +282,33 @@ def test_given_mtbf_wins_over_history():
     assert p.stats()["mtbf_s"] == 1000.0 and p.stats()["mtbf_source"] == "given"
 
 
-def test_ranks_agree_through_the_carrier_even_when_only_rank_0_measures():
-    """Rank 1 never snapshots (not the writer): it follows rank 0's carried k, step for step."""
+def test_ranks_agree_through_the_store_even_when_only_rank_0_measures():
+    """Rank 1 never snapshots (not the writer): it follows rank 0's k, published through a real
+    c10d HashStore by the checkpointer's agreement protocol, step for step."""
+    store = torch.distributed.HashStore()
     ranks = [Auto(profile_steps=20), Auto(profile_steps=20)]
+    agree = []
     for r, p in enumerate(ranks):
         p.bind(PolicyContext(rank=r, world_size=2, state_bytes=1000))
+        ch = Channel(store, rank=r, world_size=2, timeout_s=5.0)
+        agree.append(Frequency(ch, rank=r, lookahead=8))
     Ts = lambda s: 0.5 if s < 1500 else 2.5  # noqa: E731
-    took, _, _ = simulate(ranks, 4000, Ts=Ts, carry=True)  # asserts agreement at every step
+    took, _, _ = simulate(ranks, 4000, Ts=Ts, agreements=agree)  # asserts agreement at every step
     assert took[0] == took[1] and len(took[0]) > 20
     assert ranks[0].k == ranks[1].k and ranks[0].k >= 25
     ch0, ch1 = ranks[0].stats()["changes"], ranks[1].stats()["changes"]
     assert [(c["step"], c["k_new"]) for c in ch0] == [(c["step"], c["k_new"]) for c in ch1]
-    assert all("carried from rank 0" in c["reason"] for c in ch1)
-
-
-def test_without_the_carrier_multi_rank_k_is_fixed_and_equal(caplog):
-    ranks = [Auto(unsynced_k=7), Auto(unsynced_k=7)]
-    for r, p in enumerate(ranks):
-        p.bind(PolicyContext(rank=r, world_size=2))
-    with caplog.at_level(logging.WARNING, logger="cfdist.policy"):
-        took, _, _ = simulate(ranks, 70)
-    assert took[0] == took[1] == list(range(7, 71, 7))
-    assert ranks[0].phase == "fixed" and "without the DDP sync hook" in caplog.text
+    assert len(ch0) >= 2 and all(" because " in c["reason"] for c in ch0)
+    assert all("agreed from rank 0" in c["reason"] for c in ch1)
+    # decisions take effect at window starts (steps 1, 9, 17, ...), never in the first window
+    assert all((c["step"] - 1) % 8 == 0 and c["step"] > 8 for c in ch0)
+    assert agree[1].reads == 4000 // 8 - 1 and agree[0].reads == 0
 
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(max_overhead=3.5), "0.035 allows"),
     (dict(mtbf_s=-1.0), "mtbf_s"),
     (dict(profile_steps=3), "profile_steps"),
-    (dict(unsynced_k=0), "unsynced_k"),
     (dict(tuning={"window_steps": 5}), "TunerConfig"),
 ])
 def test_auto_config_validation_says_how_to_fix(kw, msg):

@@ -16,6 +16,7 @@ storage when peers may not help; a smaller group when no replacement node comes)
 from __future__ import annotations
 
 import functools
+import glob
 import json
 
 import pytest
@@ -88,6 +89,9 @@ def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp
     assert int(step) == STEPS
     _assert_same(load(root)["state"]["model"], {"module." + k: v for k, v in reference.items()})
     check_exactly_once(str(out), STEPS)
+    # each node's writer persisted its own copy, every rank's RNG states in each
+    manifests = glob.glob(f"{tmp_path}/*/local/**/step-{STEPS:09d}/MANIFEST.json", recursive=True)
+    assert len(manifests) == 2 and all(len(json.load(open(m))["rngs"]) == 2 for m in manifests), manifests
 
 
 def test_lost_node_is_replaced_and_seeded_from_peer(fake_cluster, reference, tmp_path):

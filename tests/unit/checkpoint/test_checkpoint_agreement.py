@@ -1,0 +1,119 @@
+"""The agreement protocol and per-rank RNG selection, in one process.
+
+Real: c10d ``HashStore`` (an in-process Store with the same wait/get/add/delete semantics as the
+TCPStore a job has), the agreement classes, the RNG helpers. Faked: the ranks (several objects in
+one thread, called in the order ranks would reach each step). The points: every rank sees rank
+0's decisions and save requests at the same step; a missing publisher gives an error naming the
+rank and the key; each rank gets its own RNG, old single-``rng`` manifests still load, and ranks
+a checkpoint has none for get a documented, deterministic state.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import cfdist
+from cfdist.checkpoint import state as st
+from cfdist.checkpoint.agreement import AgreementError, Channel, Frequency, RngExchange, agree_restore
+from cfdist.checkpoint.flatten import flatten
+
+
+def _ranks(n, lookahead=4, timeout_s=2.0):
+    store = dist.HashStore()
+    return [Frequency(Channel(store, rank=r, world_size=n, timeout_s=timeout_s), rank=r, lookahead=lookahead)
+            for r in range(n)]
+
+
+def test_every_rank_applies_rank_0s_k_and_save_requests_at_the_same_step():
+    ranks = _ranks(3)
+    proposals = {1: 0, 3: 7, 10: 9}   # rank 0 changes its mind at steps 3 and 10
+    k0, seen = 0, {r: [] for r in range(3)}
+    for step in range(101, 131):
+        k0 = proposals.get(step - 100, k0)
+        if step == 111:
+            ranks[2].request_save()   # a notice reaching rank 2 only
+        for r, f in enumerate(ranks):
+            seen[r].append(f.at_step(step, lambda: k0 if r == 0 else 99))
+    assert seen[0] == seen[1] == seen[2]
+    ks = [k for k, _ in seen[0]]
+    # windows start at 101, 105, ...: a value published at a window start is in force one window later
+    assert ks[:8] == [0] * 8 and ks[8:12] == [7] * 4 and ks[12:16] == [7] * 4 and ks[16] == 9
+    assert [101 + i for i, (_, save) in enumerate(seen[0]) if save] == [117]   # requested at 111
+    assert ranks[1].reads == 7 and ranks[0].reads == 0
+
+
+def test_one_process_applies_at_once_without_a_store():
+    f = Frequency(None)
+    assert f.at_step(1, lambda: 5) == (5, False)
+    f.request_save()
+    assert f.at_step(2, lambda: 5) == (5, True) and f.at_step(3, lambda: 5) == (5, False)
+    assert f.describe().startswith("local")
+
+
+def test_a_rank_waiting_for_rank_0_names_itself_and_the_key():
+    ranks = _ranks(2, lookahead=2, timeout_s=0.5)
+    ranks[1].at_step(1, lambda: 0)   # window 0: nothing to read
+    ranks[1].at_step(2, lambda: 0)
+    with pytest.raises(AgreementError, match=r"rank 1 waited 0.5 s for rank 0's checkpoint interval .*k/1"):
+        ranks[1].at_step(3, lambda: 0)   # rank 0 never published window 1
+
+
+def test_rng_exchange_collects_every_rank_and_cleans_up():
+    store = dist.HashStore()
+    chans = [Channel(store, rank=r, world_size=3, timeout_s=1.0) for r in range(3)]
+    ex = [RngExchange(c, writer=(r in (0, 2))) for r, c in enumerate(chans)]   # two writers
+    for r in range(3):
+        ex[r].publish(8, {"r": r})
+    assert ex[0].collect(8, {"r": 0}) == [{"r": 0}, {"r": 1}, {"r": 2}]
+    assert store.check([chans[0].key("rng/8/1")])          # the other writer still needs them
+    assert ex[2].collect(8, {"r": 2}) == [{"r": 0}, {"r": 1}, {"r": 2}]
+    assert not store.check([chans[0].key("rng/8/1")])      # the last writer deleted them
+    with pytest.raises(AgreementError, match=r"rank 0 .*RNG states of step 9.*rng/9/1"):
+        ex[0].collect(9, {"r": 0})
+
+
+def test_restore_agreement_in_one_process_keeps_the_fallback():
+    tried = []
+
+    def try_load(s):
+        tried.append(s)
+        return "checksum" if s == 8 else None
+
+    assert agree_restore(None, held=[4, 8], want=None, try_load=try_load, call=1) == 4 and tried == [8, 4]
+    assert agree_restore(None, held=[], want=None, try_load=try_load, call=2) is None
+    with pytest.raises(cfdist.CheckpointError, match=r"no usable checkpoint \(step 8 wanted\)"):
+        agree_restore(None, held=[4, 8], want=8, try_load=try_load, call=3)
+
+
+# ---- per-rank RNG ----------------------------------------------------------------------------
+def _flat_rng(seed):
+    torch.manual_seed(seed), np.random.seed(seed), random.seed(seed)
+    return flatten(st.rng_state(), inline_tensors=True)[0]
+
+
+def test_each_rank_gets_its_own_rng_and_new_ranks_a_derived_one():
+    m = {"step": 40, "world_size": 2, "rng": _flat_rng(1), "rngs": [_flat_rng(1), _flat_rng(2)]}
+    r1 = st.rank_rng_state(m, 1, where="t")
+    assert torch.equal(r1["torch"], torch.Generator().manual_seed(2).get_state())
+    new2, new3 = (st.rank_rng_state(m, r, where="t") for r in (2, 3))   # an elastic resume on 4 ranks
+    assert not torch.equal(new2["torch"], new3["torch"])
+    assert torch.equal(new2["torch"], st.derived_rng_state(1, 2, 40)["torch"])   # run seed 1, rank 2, step 40
+    assert torch.equal(new2["torch"], st.rank_rng_state(m, 2, where="t")["torch"])   # deterministic
+    st.set_rng_state(new3)
+    assert torch.get_rng_state().equal(new3["torch"]) and random.getstate() == new3["python"]
+
+
+def test_old_manifests_with_one_rng_still_load():
+    old_multi = {"step": 4, "world_size": 2, "rng": _flat_rng(5)}   # older cfdist: rank 0's only
+    assert all(torch.equal(st.rank_rng_state(old_multi, r, where="t")["torch"],
+                           torch.Generator().manual_seed(5).get_state()) for r in (0, 1))
+    single = {"step": 4, "world_size": 1, "rng": _flat_rng(6)}       # one process, grown to 2
+    assert torch.equal(st.rank_rng_state(single, 0, where="t")["torch"], torch.Generator().manual_seed(6).get_state())
+    assert torch.equal(st.rank_rng_state(single, 1, where="t")["torch"], st.derived_rng_state(6, 1, 4)["torch"])
+    with pytest.raises(cfdist.CheckpointError, match="RNG states are malformed"):
+        st.rank_rng_state({"step": 4, "rngs": [{"torch": 3}], "world_size": 2}, 1, where="t")
