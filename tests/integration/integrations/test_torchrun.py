@@ -144,12 +144,23 @@ def reference(tmp_path_factory):
 def _run_killed(tmp: Path, rng: random.Random, worker_kills: int, job_kills: int) -> Path:
     out = tmp / "out"
     out.mkdir()
+    started: list = []
+    try:
+        return _kill_and_restart(tmp, out, rng, worker_kills, job_kills, started)
+    except BaseException:
+        _kill(started)                # no worker outlives a failed test
+        raise
+
+
+def _kill_and_restart(tmp, out, rng, worker_kills, job_kills, started) -> Path:
     for _ in range(job_kills):       # the whole job dies (both machines lost), then is launched again
         agents = _job(tmp, out, max_restarts=0, sleep=0.05)
+        started[:] = agents
         _wait_steps(out, 0, _steps_done(out, 0) + rng.randint(3, 8), agents)
         time.sleep(rng.uniform(0, 0.05))
         _kill(agents)
     agents = _job(tmp, out, max_restarts=worker_kills, sleep=0.05)
+    started[:] = agents
     for _ in range(worker_kills):    # one worker dies; torchrun restarts the group on both nodes
         rank = rng.randint(0, 1)
         _wait_steps(out, rank, _steps_done(out, rank) + rng.randint(3, 8), agents)
