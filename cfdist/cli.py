@@ -341,7 +341,7 @@ def _run_diff(a) -> int:
     if t["changed"]:
         tab = Table(title="tensors that differ")
         for col in ("tensor", "shape", "dtype", "elements differing", "max |a-b|"):
-            tab.add_column(col)
+            tab.add_column(col, overflow="fold")    # full tensor names, wrapped on narrow terminals
         for c in t["changed"]:
             if "shape_a" in c:
                 tab.add_row(c["name"], f"{c['shape_a']} -> {c['shape_b']}", f"{c['dtype_a']} -> {c['dtype_b']}", "-", "-")
