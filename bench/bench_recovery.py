@@ -200,7 +200,7 @@ def main(argv=None) -> int:
             for name, make in policies.items():
                 res, recs = run(f"{name.split('(')[0].replace(' ', '-').lower()}-{i}", policy=make())
                 sps[name].append(seconds_per_step(recs))
-                stall[name].append(res.overhead)
+                stall[name].append(res.stall_share)
                 ks[name].append(sorted({r["step"] for r in recs if r["event"] == "checkpoint_committed"})[:6])
         base = statistics.median(sps["no checkpoints"])
         out["overhead"] = {n: {"s_per_step": statistics.median(v), "all": v,

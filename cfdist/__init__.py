@@ -3,8 +3,9 @@
 Everything users may import is listed in ``__all__``; anything else can change.
 """
 
+from cfdist import codecs
 from cfdist.api import fit
-from cfdist.checkpoint import CheckpointError, Checkpointer, list_checkpoints, load
+from cfdist.checkpoint import AgreementError, CheckpointError, Checkpointer, list_checkpoints, load
 from cfdist.cluster import FitError, FitResult, TrainContext
 from cfdist.data import DALIResumableIterator, ResumableLoader, ResumableSampler
 from cfdist.policy import Auto, Every, EveryEpoch
@@ -12,7 +13,7 @@ from cfdist.policy import Auto, Every, EveryEpoch
 __version__ = "0.1.0"
 
 __all__ = [
-    "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
+    "AgreementError", "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
     "FitError", "FitResult", "ResumableLoader", "ResumableSampler", "TrainContext", "fit",
-    "list_checkpoints", "load", "__version__",
+    "codecs", "list_checkpoints", "load", "__version__",
 ]

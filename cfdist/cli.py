@@ -8,6 +8,7 @@
     cfdist inspect file:///mnt/ssd/cfdist/run1 --diff 1100 1200  # what changed between two steps
     cfdist export file:///mnt/ssd/cfdist/run1 --format safetensors --out ./model   # for inference
     cfdist demo                       # the local demo (python -m cfdist.demo)
+    cfdist bench                      # checkpoint benchmarks vs torch.save and DCP (--quick, --full)
 
 Subcommands live in :data:`SUBCOMMANDS`: ``name -> "module:function"``; the function receives
 the ``argparse`` subparsers object and registers its parser with ``set_defaults(run=...)`` (or
@@ -29,6 +30,7 @@ SUBCOMMANDS: dict[str, str] = {
     "export": "cfdist.cli:_register_export",
     "demo": "cfdist.cli:_register_demo",
     "experiment": "cfdist.chaos.experiment:register",      # chaos experiments (cfdist/chaos)
+    "bench": "cfdist.benchmarks.cli:register",             # benchmarks vs torch.save and DCP
 }
 
 
@@ -183,6 +185,8 @@ def _register_ls(sub) -> None:
     p = sub.add_parser("ls", help="list the committed checkpoints of a storage URL")
     p.add_argument("storage", help="URL of a run directory (file://..., s3://...)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--all", action="store_true", help="also the checkpoints moved aside under rejected/ "
+                   "(a run rolled back past them); cfdist.load(url, step=N) still reads them")
     p.set_defaults(run=_run_ls)
 
 
@@ -193,22 +197,24 @@ def _run_ls(a) -> int:
     from rich.table import Table
 
     from cfdist.checkpoint import list_checkpoints
+    from cfdist.storage.redact import redact_url
 
-    rows = list_checkpoints(a.storage)
+    rows = list_checkpoints(a.storage, include_rejected=a.all)
     if a.json:
         for r in rows:
             print(json.dumps(r))
         return 0
     if not rows:
-        print(f"no committed checkpoint in {a.storage}")
+        print(f"no committed checkpoint in {redact_url(a.storage)}")
         return 1
-    t = Table(title=a.storage)
-    for col in ("step", "epoch", "epoch end", "committed", "bytes", "url"):
+    t = Table(title=redact_url(a.storage))
+    for col in ("step", "epoch", "epoch end", "committed", "bytes", "url") + (("moved aside because",) if a.all else ()):
         t.add_column(col)
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r.get("time") else "-"
+        why = (r["rejected"].get("why") or "?") if "rejected" in r else ""
         t.add_row(str(r["step"]), str(r["epoch"]), "yes" if r["epoch_end"] else "", when,
-                  f"{r['bytes']:,}" if r.get("bytes") is not None else "-", r["url"])
+                  f"{r['bytes']:,}" if r.get("bytes") is not None else "-", r["url"], *((why,) if a.all else ()))
     Console().print(t)
     return 0
 
@@ -234,6 +240,16 @@ def split_checkpoint_url(url: str) -> tuple[str, int | None]:
     return (base, step) if step is not None else (url.rstrip("/"), None)
 
 
+def logical_nbytes(t: dict) -> int:
+    """A manifest tensor entry's size before codecs."""
+    import math
+
+    from cfdist.checkpoint.format import ST_TO_TORCH
+
+    lg = t.get("logical")
+    return math.prod(lg["shape"]) * ST_TO_TORCH[lg["dtype"]].itemsize if lg else t["nbytes"]
+
+
 def summarize_manifest(m: dict) -> dict:
     """A short, JSON-able summary of a manifest: sizes per state entry, the small state."""
     per_key: dict[str, list[int]] = {}
@@ -241,7 +257,7 @@ def summarize_manifest(m: dict) -> dict:
         key = name.split("/", 1)[0]
         c = per_key.setdefault(key, [0, 0])
         c[0] += 1
-        c[1] += t["nbytes"]
+        c[1] += logical_nbytes(t)
     skeleton = m.get("skeleton", {})
     late = m.get("late", {})
     return {
@@ -250,6 +266,8 @@ def summarize_manifest(m: dict) -> dict:
         "state": {k: {"tensors": per_key.get(k, [0, 0])[0], "bytes": per_key.get(k, [0, 0])[1]}
                   for k in sorted(set(skeleton) | set(late) | set(per_key)) if not k.startswith("_")},
         "shards": [s["file"] for s in m["shards"]],
+        "codecs": m.get("codecs", []), "bytes_stored": m.get("bytes_stored"),
+        "depends_on": [d[0] for d in m.get("depends_on", [])],
     }
 
 
@@ -270,7 +288,7 @@ def _run_inspect(a) -> int:
     if step is None:
         steps = committed_steps(sts[0])
         if not steps:
-            return _fail(f"no committed checkpoint in {root}")
+            return _fail(f"no committed checkpoint in {sts[0].url}")
         step = steps[-1]
     try:
         summary = summarize_manifest(read_manifest(sts, step))
@@ -282,7 +300,7 @@ def _run_inspect(a) -> int:
     if a.json:
         print(json.dumps(summary))
         return 0
-    t = Table(title=f"{root}/step-{step:09d}")
+    t = Table(title=f"{sts[0].url}/step-{step:09d}")
     t.add_column("state entry")
     t.add_column("tensors", justify="right")
     t.add_column("bytes", justify="right")
@@ -292,6 +310,9 @@ def _run_inspect(a) -> int:
     con.print(f"step {summary['step']}, epoch {summary['epoch']}{' (end)' if summary['epoch_end'] else ''}, "
               f"world size {summary['world_size']}, {summary['bytes']:,} bytes in {len(summary['shards'])} "
               f"shard(s), format {summary['format']}" + (", checksums OK" if summary.get("verified") else ""))
+    if summary["codecs"]:
+        con.print(f"codecs {', '.join(c['name'] for c in summary['codecs'])}: {summary['bytes_stored']:,} bytes "
+                  f"stored" + (f", needs steps {summary['depends_on']}" if summary["depends_on"] else ""))
     con.print(t)
     return 0
 

@@ -137,7 +137,7 @@ def main(argv=None, *, preemption=None) -> dict:
     )
     out = {"final_step": result.final_step, "failures": result.failures,
            "lost_iterations": result.lost_iterations, "recovery_seconds": result.recovery_seconds,
-           "overhead": result.overhead, "checkpoint": result.checkpoint, "event_log": result.event_log,
+           "stall_share": result.stall_share, "checkpoint": result.checkpoint, "event_log": result.event_log,
            **(result.value or {})}
     print(json.dumps(out))
     return out

@@ -17,8 +17,10 @@ never a collective on the training group and never the gradients (invariant 4):
   background thread (:class:`GatherRngBackend`) before its persist starts; the last writer to
   read a step's keys deletes them.
 * :func:`agree_restore` -- once per start: every rank publishes which committed steps it can list,
-  every rank tries the newest step all of them hold, they exchange the outcome, and all restore
-  the same step or all raise the same :class:`~cfdist.checkpoint.format.CheckpointError`.
+  every rank tries the newest step any of them holds, they exchange the outcome, ranks that lack
+  it (or hold a corrupted copy) get it from a rank that loaded it (:mod:`cfdist.checkpoint.peer`,
+  over the default group, at restore only), and all restore the same step or all raise the same
+  :class:`~cfdist.checkpoint.format.CheckpointError` naming what each rank holds.
 
 Calling rules. Every rank builds the same Checkpointers in the same order (keys are namespaced
 per Checkpointer by a per-rank counter in the store, ``cfdist/<n>/...``) and calls ``step``,
@@ -229,55 +231,52 @@ class GatherRngBackend:
 
 
 def agree_restore(channel: Channel | None, *, held: list[int], want: int | None,
-                  try_load: Callable[[int], str | None], call: int) -> int | None:
+                  try_load: Callable[[int], str | None], call: int,
+                  fetch: Callable[[int, int, bool], None] | None = None) -> int | None:
     """The step every rank restores (None: none anywhere, all start fresh), or CheckpointError.
 
     ``held``: the committed steps this rank lists; ``try_load(step)`` loads and verifies one
     (keeping it to apply) and returns None or why it is unusable (an older step may do), or
-    raises ``CheckpointError`` when no step can do (it does not fit the live objects: every rank
-    then raises, naming this one); ``call``: this Checkpointer's
-    restore count (a fresh namespace per call). Every rank calls it once per ``restore``.
-    Candidates are the steps every rank holds (only ``want`` when given), newest first; each is
-    tried by every rank, and kept only when every rank loaded it.
+    raises ``CheckpointError`` when no step can do (it does not fit the live objects), or an
+    ``OSError`` when its storage stays down (the step may be intact: nothing is rolled back past
+    it); every rank then raises, naming this one. ``fetch(step, src, need)``: a collective every
+    rank calls that copies ``step`` from rank ``src`` to the ranks with ``need`` (after which their ``try_load``
+    finds it); ``call``: this Checkpointer's restore count (a fresh namespace per call).
+
+    Every rank calls it once per ``restore``, with the same ``want``. Candidates are the steps
+    any rank holds (only ``want`` when given), newest first. Every rank tries each; when some
+    loaded it and others could not, those get it from the lowest such rank (``fetch``) and try
+    again. A step is restored only when every rank loaded it; every rank sees the same outcomes,
+    so all restore the same step or all raise.
     """
+    me = 0 if channel is None else channel.rank
+    mine = sorted(set(held), reverse=True)
     if channel is None:
-        views = {0: sorted(set(held), reverse=True)}
+        views = {0: mine}
     else:
-        channel.set(f"restore/{call}/held/{channel.rank}", json.dumps(sorted(set(held), reverse=True)).encode())
+        channel.set(f"restore/{call}/held/{me}", json.dumps(mine).encode())
         raws = channel.get_all([f"restore/{call}/held/{r}" for r in range(channel.world_size)],
                                what="every rank's list of checkpoints to restore",
                                fix="call ckpt.restore() on every rank")
         views = {r: json.loads(v) for r, v in enumerate(raws)}
-    common = sorted(set.intersection(*(set(v) for v in views.values())), reverse=True)
-    if want is not None:
-        common = [s for s in common if s == want]
+    union = sorted(set().union(*(set(v) for v in views.values())), reverse=True)
     rejected: dict[int, dict] = {}
-    for i, step in enumerate(common):
-        if channel is None:
-            outcome = {0: [try_load(step), False]}
-        else:
-            hard = None
-            try:
-                mine = [try_load(step), False]
-            except CheckpointError as e:
-                hard, mine = e, [str(e), True]
-            channel.set(f"restore/{call}/try/{i}/{channel.rank}", json.dumps(mine).encode())
-            if hard is not None:
-                raise hard
-            raws = channel.get_all([f"restore/{call}/try/{i}/{r}" for r in range(channel.world_size)],
-                                   what=f"every rank's outcome of loading step {step}",
-                                   fix="a rank may have died while loading")
-            outcome = {r: json.loads(v) for r, v in enumerate(raws)}
-            for r, (why, is_hard) in sorted(outcome.items()):
-                if is_hard:
-                    raise CheckpointError(f"rank {r} cannot restore step {step}, so no rank does: {why}")
-        bad = {r: w for r, (w, _) in outcome.items() if w is not None}
+    for i, step in enumerate(s for s in union if want is None or s == want):
+        bad = _try_everywhere(channel, f"restore/{call}/try/{i}", step, try_load)
+        if bad and fetch is not None and channel is not None and len(bad) < channel.world_size:
+            src = min(r for r in range(channel.world_size) if r not in bad)
+            log.warning("step %d: ranks %s get it from rank %d (%s)", step, sorted(bad), src,
+                        "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items())))
+            fetch(step, src, me in bad)
+            again = _try_everywhere(channel, f"restore/{call}/peer/{i}", step,
+                                    try_load if me in bad else (lambda s: None))
+            bad = {r: f"{bad[r]}; its copy from rank {src}: {w}" for r, w in again.items()}
         if not bad:
             return step
         rejected[step] = bad
         log.warning("step %d is unusable on rank(s) %s; every rank tries an older one", step,
                     ", ".join(f"{r} ({w})" for r, w in sorted(bad.items())))
-    if want is None and not any(views.values()):
+    if want is None and not union:
         return None
     lines = [f"rank {r} holds {v or 'nothing'}" for r, v in sorted(views.items())]
     lines += [f"step {s} failed on rank {r}: {w}" for s, bad in rejected.items() for r, w in sorted(bad.items())]
@@ -286,6 +285,30 @@ def agree_restore(channel: Channel | None, *, held: list[int], want: int | None,
         raise CheckpointError(f"no usable checkpoint ({what} wanted):\n  " + "\n  ".join(lines))
     raise CheckpointError(
         f"no usable checkpoint that every rank can load ({what} wanted); no rank trains, since "
-        f"ranks on different states would diverge:\n  " + "\n  ".join(lines) + "\nFix: give every "
-        f"node a writer (writer=(local_rank == 0)) or use storage every rank reads (shared, or "
-        f"restore_from=), or copy the checkpoint to the ranks that lack it")
+        f"ranks on different states would diverge:\n  " + "\n  ".join(lines) + "\nFix: restore from "
+        f"a storage that holds an intact copy (restore_from=), or start afresh in an empty storage")
+
+
+def _try_everywhere(channel: Channel | None, key: str, step: int, try_load) -> dict[int, str]:
+    """Every rank's ``try_load(step)``; returns ``{rank: why}`` for the ranks that failed."""
+    hard = None
+    try:
+        mine = [try_load(step), False]
+    except (CheckpointError, OSError) as e:   # OSError: storage still down after the retries
+        hard, mine = e, [str(e), True]
+    if channel is None:
+        if hard is not None:
+            raise hard
+        outcome = {0: mine}
+    else:
+        channel.set(f"{key}/{channel.rank}", json.dumps(mine).encode())
+        if hard is not None:
+            raise hard
+        raws = channel.get_all([f"{key}/{r}" for r in range(channel.world_size)],
+                               what=f"every rank's outcome of loading step {step}",
+                               fix="a rank may have died while loading")
+        outcome = {r: json.loads(v) for r, v in enumerate(raws)}
+        for r, (why, is_hard) in sorted(outcome.items()):
+            if is_hard:
+                raise CheckpointError(f"rank {r} cannot restore step {step}, so no rank does: {why}")
+    return {r: why for r, (why, _) in outcome.items() if why is not None}

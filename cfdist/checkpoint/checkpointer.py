@@ -25,18 +25,22 @@ import json
 import logging
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from cfdist.checkpoint import agreement, discovery, state as st
+from cfdist.checkpoint import agreement, discovery, peer, retention, roots, state as st
+from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend
+from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement
 from cfdist.storage import open_storages
+from cfdist.storage.redact import redact
 
 log = logging.getLogger("cfdist.checkpointer")
 
@@ -55,6 +59,9 @@ class CheckpointerConfig:
     """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
     verify: bool = True
     """Check every tensor's checksum on restore."""
+    read_retry: RetryPolicy = RetryPolicy()
+    """How storage errors while listing or reading checkpoints are retried before restore raises
+    (they never make it fall back to an older checkpoint; see :mod:`cfdist.checkpoint.retry`)."""
     lookahead: int = 8
     """Multi-rank: steps per agreement window. Rank 0's decisions (k, save requests) apply
     ``lookahead`` to ``2 * lookahead`` steps after it made them; other ranks read the store once
@@ -72,6 +79,8 @@ class CheckpointerConfig:
             raise ValueError(f"keep must be an int >= 1 (newest checkpoints to keep), got {self.keep!r}")
         if self.backend not in ("thread", "process"):
             raise ValueError(f"backend must be 'thread' or 'process', got {self.backend!r}")
+        if not isinstance(self.read_retry, RetryPolicy):
+            raise TypeError(f"read_retry must be a cfdist.checkpoint.retry.RetryPolicy, got {self.read_retry!r}")
 
 
 def _default_policy():
@@ -112,9 +121,14 @@ class Checkpointer:
         restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
             e.g. an in-memory tier before and a shared tier after the node-local one.
         storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        read_retry: a :class:`~cfdist.checkpoint.retry.RetryPolicy` for storage errors while
+            restoring (default: 4 tries over about 1.75 s).
         store: the c10d Store ranks agree through (default: torch.distributed's, when
             initialised); needed when ``world_size > 1``.
         lookahead, agree_timeout_s: see :class:`CheckpointerConfig`.
+        codecs: ``cfdist.codecs`` objects that make checkpoints smaller (``Incremental``,
+            ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
+            the plain safetensors format.
     """
 
     Config = CheckpointerConfig
@@ -123,10 +137,12 @@ class Checkpointer:
                  rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
                  backend: str | PersistBackend = "thread", restore_from=None,
                  storage_options: dict | None = None, verify: bool = True, store=None,
-                 lookahead: int = 8, agree_timeout_s: float = 1800.0):
+                 lookahead: int = 8, agree_timeout_s: float = 1800.0, codecs=None,
+                 read_retry: RetryPolicy | None = None):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
-                                         verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s)
+                                         verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s,
+                                         read_retry=read_retry or RetryPolicy())
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
@@ -139,7 +155,8 @@ class Checkpointer:
         if not (hasattr(self.policy, "should_checkpoint") and hasattr(self.policy, "observe")):
             raise TypeError(f"policy must be a cfdist policy (Every, EveryEpoch, Auto), got {self.policy!r}")
         if isinstance(backend, str):
-            self.backend: PersistBackend = (ProcessBackend(self.storages, storage_options)
+            # the filesystem's own options: storage_options plus any credentials taken from the URL
+            self.backend: PersistBackend = (ProcessBackend(self.storages, dict(self.storages[0].fs.storage_options))
                                             if backend == "process" else ThreadBackend(self.storages))
         else:
             self.backend = backend
@@ -152,7 +169,9 @@ class Checkpointer:
         self._restores = 0
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory)
         if self.writer:
-            discovery.sweep(self.storages)
+            discovery.sweep(self.storages)   # refuses a reordered list or an empty root 0 first
+        else:
+            roots.check(self.storages, create=False)
         self._step = 0
         self._lock = threading.Lock()
         self._pending: dict | None = None      # snapshot taken, small state not yet captured
@@ -163,8 +182,11 @@ class Checkpointer:
         self._last_return: float | None = None
         self._persist_done: tuple[float, int] | None = None
         self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0,
-                           persist_s=0.0, bytes=0, last_error=None)
-        latest = discovery.find_latest([self.storages])
+                           persist_s=0.0, bytes=0, last_error=None, bytes_logical=0, bytes_written=0)
+        # This run's lineage (retention deletes only its ancestors); restore() replaces it.
+        self._lineage = retention.new_lineage()
+        self._rolled_back: dict[int, str] = {}   # step -> why restore rolled back past it
+        latest = discovery.find_latest([self.storages], retry=self.config.read_retry)
         self.latest_step: int | None = latest.step if latest else None
         self._hooks = []
         self._fetch_hooked = False   # a data iterator calls _on_boundary before each fetch
@@ -176,6 +198,8 @@ class Checkpointer:
                 self._fetch_hooked = True
         self._copies_reported = 0
         self._bind_policy()
+        self.codecs = resolve_codecs(codecs, self.policy, self._read_json(HISTORY))
+        self._codec_session = uuid.uuid4().hex
 
     def _agreement_channel(self, store):
         """This Checkpointer's namespace in the store ranks agree through (None: one process)."""
@@ -407,6 +431,7 @@ class Checkpointer:
             "last_error": s["last_error"], "total_stall_s": s["stall_s"],
             "agreement": self._freq.describe(), "agreement_reads": self._freq.reads,
             "agreement_wait_s": self._channel.waited_s if self._channel is not None else 0.0,
+            "bytes_logical": s["bytes_logical"], "bytes_written": s["bytes_written"],
         }
         extra = getattr(self.policy, "stats", None)
         if callable(extra):
@@ -487,19 +512,20 @@ class Checkpointer:
                                nbytes=self._snap.host[i].nbytes, entries=es, arena_path=self._snap.host[i].path)
                       for i, es in enumerate(self._snap.layout)]
             manifest = {"epoch": p["epoch"], "epoch_end": p["epoch_end"], "world_size": self.world_size,
-                        "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"]}
+                        "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"], "lineage": self._lineage}
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
-                             arenas=[a.buf for a in self._snap.host])
+                             arenas=[a.buf for a in self._snap.host], codecs=self.codecs,
+                             codec_session=self._codec_session, rolled_back=dict(self._rolled_back) or None)
             self._inflight = self.backend.submit(job)   # non-blocking by the backend protocol
 
     def _record_error(self, e: BaseException, step: int) -> None:
         self._stats["errors"] += 1
-        self._stats["last_error"] = f"{type(e).__name__}: {e}"
+        self._stats["last_error"] = redact(f"{type(e).__name__}: {e}")
         self._error = e
         log.error("persisting step %d to %s failed: %s; training continues, the previous checkpoint "
-                  "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url, e,
-                  self.latest_step)
+                  "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url,
+                  redact(e), self.latest_step)
 
     def _harvest(self) -> None:
         """Collect a finished persist (non-blocking)."""
@@ -514,9 +540,12 @@ class Checkpointer:
             self._record_error(e, getattr(p, "step", -1))
             return
         self.latest_step = info.step
+        self._rolled_back = {}   # recorded by that commit's retention
         self._stats["checkpoints"] += 1
         self._stats["persist_s"] += info.seconds
         self._stats["bytes"] = info.bytes
+        self._stats["bytes_written"] += info.bytes
+        self._stats["bytes_logical"] += info.bytes_logical if info.bytes_logical is not None else info.bytes
         self._persist_done = (info.seconds, info.bytes)
         self._save_profile()
 
@@ -524,54 +553,96 @@ class Checkpointer:
     def restore(self, step: int | None = None) -> int | None:
         """Load the newest committed checkpoint that verifies into the live objects.
 
-        Searches ``storage`` and ``restore_from`` (ties go to the earlier tier). A corrupted
-        checkpoint is skipped with a warning naming the file and checksums; a checkpoint that
-        does not fit the live objects raises ``CheckpointError`` listing the differences.
+        Searches ``storage`` and ``restore_from`` (ties go to the earlier tier). A checkpoint
+        whose content is bad (checksum, truncation, malformed manifest) is skipped with a
+        warning naming the file and checksums; the first commit afterwards moves it aside to
+        ``rejected/`` (never deleted). A storage error (``OSError``) is retried per
+        ``read_retry`` and then raised as ``StorageUnavailable`` naming the URL and the step:
+        it never makes restore fall back. A checkpoint that does not fit the live objects
+        raises ``CheckpointError`` listing the differences. ``step``: that step, also from
+        ``rejected/`` when no tier has it live; newer ones are moved aside by the first commit.
         Returns the restored step (the number of optimizer steps done), or None if there is
         no checkpoint at all. Call before training, on every rank: ranks agree (through the
-        store, once) on the newest step every one of them can load, and all restore it; if
-        there is none while some rank holds a checkpoint, every rank raises
-        ``CheckpointError`` naming what each rank holds. ``step`` (the same on every rank)
+        store, once) on the newest step some rank can load; ranks whose storage lacks it (or
+        holds a corrupted copy) receive it from that rank over the default group
+        (:mod:`cfdist.checkpoint.peer`), and all restore it. If no rank can load any, every rank
+        raises ``CheckpointError`` naming what each holds. ``step`` (the same on every rank)
         restores that step or raises. Each rank loads its own RNG states (see
         :func:`cfdist.checkpoint.state.rank_rng_state`).
         """
-        cands = discovery.candidates(self.tiers)
-        if step is not None and self._channel is None and not any(c.step == step for c in cands):
-            raise CheckpointError(f"step {step} is not committed in any of {[t[0].url for t in self.tiers]}")
+        cands = discovery.candidates(self.tiers, retry=self.config.read_retry)
+        if step is not None:
+            cands = discovery.with_rejected(self.tiers, cands, step)
+            if self._channel is None and not any(c.step == step for c in cands):
+                raise CheckpointError(f"step {step} is not committed in any of {[t[0].url for t in self.tiers]}, "
+                                      f"nor moved aside under their rejected/ folders")
         loaded: dict = {}
+        rejected: list = []
+
+        def rank_rng(c, m):
+            return st.rank_rng_state(m, self.rank, where=c.storages[0].url_of(step_dir(c.step)))
 
         def try_load(s: int) -> str | None:
-            errs = []
-            for c in (c for c in cands if c.step == s):
-                where = c.storages[0].url_of(step_dir(c.step))
-                try:
-                    m, tensors = discovery.load_verified(c.storages, c.step, verify=self.config.verify)
-                    saved, _ = discovery.decode_state(m, tensors, where=where)
-                    rng = st.rank_rng_state(m, self.rank, where=where)
-                except (CheckpointError, OSError) as e:
-                    errs.append(f"step {c.step} in {c.storages[0].url}: {e}")
-                    warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({e}); "
-                                  f"falling back to an older one", RuntimeWarning, stacklevel=4)
-                    continue
-                st.check_compatible(self.state, saved)
-                loaded.update(c=c, saved=saved, rng=rng)
-                return None
-            return "; ".join(errs) or f"step {s} is not held here"
+            # A storage error that outlasts the retries raises (StorageUnavailable): it must not
+            # look like an unusable step, or the ranks would agree on rolling back past it.
+            found, errs = discovery.load_first([c for c in cands if c.step == s], verify=self.config.verify,
+                                               retry=self.config.read_retry, extra=rank_rng,
+                                               on_reject=self._warn_unusable)
+            rejected.extend(errs)
+            if found is None:
+                return "; ".join(f"step {c.step} in {c.storages[0].url}: {why}" for c, why in errs) \
+                    or f"step {s} is not held here"
+            st.check_compatible(self.state, found.state)
+            loaded["found"] = found
+            return None
+
+        copies = []
+
+        def fetch(s: int, src: int, need: bool) -> None:   # every rank, the same arguments
+            mem = peer.broadcast_checkpoint(s, src, loaded["found"].candidate.storages if self.rank == src else None, need=need)
+            if mem is not None:
+                copies.append((s, mem))
+                cands.insert(0, discovery.Candidate(s, len(self.tiers), mem))   # a tier of its own
 
         self._restores += 1
-        got = agreement.agree_restore(self._channel, held=[c.step for c in cands], want=step,
-                                      try_load=try_load, call=self._restores)
+        try:
+            got = agreement.agree_restore(self._channel, held=[c.step for c in cands], want=step,
+                                          try_load=try_load, call=self._restores, fetch=fetch)
+        finally:
+            for s, mem in copies:
+                peer.forget(mem, s)
         if got is None:
             return None
-        c = loaded["c"]
-        st.apply(self.state, loaded["saved"])
-        st.set_rng_state(loaded["rng"])
+        found = loaded["found"]
+        c = found.candidate
+        st.apply(self.state, found.state)
+        st.set_rng_state(found.extra)
         self._step = self._snapped_step = c.step
+        self._note_rollback(found, rejected, cands, asked=step is not None)
         if self.latest_step is None or c.tier == 0:
             self.latest_step = c.step if c.tier == 0 else self.latest_step
         self._record_restart(c.step)
-        log.info("restored step %d from %s (tier %d)", c.step, c.storages[0].url_of(step_dir(c.step)), c.tier)
+        log.info("restored step %d from %s", c.step, f"tier {c.tier}" if c.tier < len(self.tiers) else
+                 "a peer rank's copy")
         return c.step
+
+    @staticmethod
+    def _warn_unusable(c, why: str) -> None:
+        warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({why}); "
+                      f"falling back to an older one", RuntimeWarning, stacklevel=5)
+
+    def _note_rollback(self, found: "discovery.Loaded", rejected: list, cands: list, *, asked: bool) -> None:
+        """Continue the restored checkpoint's lineage; remember why newer ones of the first tier
+        were passed over (the first commit moves them aside with that reason, ``retention.apply``)."""
+        c = found.candidate
+        self._lineage = retention.after_restore(found.manifest, c.step)
+        self._rolled_back = {r.step: f"restore rejected it: {why}" for r, why in rejected
+                             if r.tier == 0 and r.rejected is None and r.step > c.step}
+        why = (f"restore(step={c.step}) chose an older step" if asked
+               else f"the ranks agreed on the older step {c.step} (not every rank could load this one)")
+        for other in cands:
+            if other.tier == 0 and other.rejected is None and other.step > c.step:
+                self._rolled_back.setdefault(other.step, why)
 
     def _record_restart(self, step: int) -> None:
         if not self.writer:

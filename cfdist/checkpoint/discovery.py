@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import xxhash
@@ -18,7 +21,9 @@ from cfdist.checkpoint.format import (
     MANIFEST, ST_TO_TORCH, TMP_MARK, CheckpointError, check_seal, parse_safetensors_header, parse_step_dir,
     seal_manifest, step_dir, validate_manifest,
 )
+from cfdist.checkpoint import codecs
 from cfdist.checkpoint.flatten import unflatten
+from cfdist.checkpoint.retry import RetryPolicy, retrying
 from cfdist.storage import Storage, open_storages
 
 log = logging.getLogger("cfdist.discovery")
@@ -35,11 +40,18 @@ def committed_steps(storage: Storage) -> list[int]:
 
 
 def sweep(storages: list[Storage]) -> list[str]:
-    """Remove what crashed persists left: staging dirs, and step dirs never committed on root 0.
+    """Remove what crashed persists left: staging dirs, and step dirs provably never committed.
 
+    First the roots are checked against their striping-set identity (:mod:`cfdist.checkpoint.roots`;
+    a reordered list, or an empty/unmounted root 0 whose siblings hold data, raises
+    ``StripeSetError`` and nothing is removed). Then ``.tmp-`` staging directories go, and a step
+    directory goes only when root 0 holds no manifest for it (asked directly, not from a listing
+    that may lag). Committed checkpoints are never touched. Storage errors propagate.
     Call once at start, from the single writer of these storages, before its first persist.
     """
-    committed = set(committed_steps(storages[0]))
+    from cfdist.checkpoint import roots
+
+    roots.check(storages, create=True)
     removed = []
     for st in storages:
         for name in st.listdir(""):
@@ -47,7 +59,7 @@ def sweep(storages: list[Storage]) -> list[str]:
             if TMP_MARK in name and parse_step_dir(name.split(TMP_MARK)[0]) is not None:
                 st.remove(name)
                 removed.append(st.url_of(name))
-            elif step is not None and step not in committed:
+            elif step is not None and not storages[0].exists(f"{name}/{MANIFEST}"):
                 st.remove(name)
                 removed.append(st.url_of(name))
     if removed:
@@ -55,16 +67,42 @@ def sweep(storages: list[Storage]) -> list[str]:
     return removed
 
 
+def _read_inside(st: Storage, step: int, name: str) -> bytes:
+    """The bytes of ``<step dir>/<name>``, refusing a file that resolves outside the step directory.
+
+    A local shard or manifest that is a symlink (to /etc/passwd, to another checkpoint) is a
+    content error: nothing outside a checkpoint's own directory is ever read.
+    """
+    rel = f"{step_dir(step)}/{name}"
+    if getattr(st, "is_local", False):   # (a frozen in-memory copy has no paths)
+        want = os.path.join(os.path.realpath(st.root), step_dir(step), name)
+        real = os.path.realpath(st.path(rel))
+        if real != want and os.path.lexists(st.path(rel)):
+            raise CheckpointError(f"{st.url_of(rel)} resolves to {real}, outside its checkpoint directory "
+                                  f"(a symlink?); refusing to read it")
+    try:
+        return st.read_bytes(rel)
+    except IsADirectoryError:
+        raise CheckpointError(f"{st.url_of(rel)} is a directory, not a file") from None
+
+
 def read_manifest(storages: list[Storage], step: int) -> dict:
+    """The validated, seal-checked manifest of committed ``step``.
+
+    ``CheckpointError`` for anything wrong with its content (missing, not JSON, malformed,
+    checksum); an ``OSError`` from the storage propagates (the caller retries it).
+    """
     where = storages[0].url_of(f"{step_dir(step)}/{MANIFEST}")
     try:
-        raw = storages[0].read_bytes(f"{step_dir(step)}/{MANIFEST}")
+        raw = _read_inside(storages[0], step, MANIFEST)
     except FileNotFoundError:
         raise CheckpointError(f"{where} does not exist: step {step} was never committed") from None
     try:
         m = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{where} is not a manifest: its JSON nests too deeply") from None
     m = validate_manifest(m, where=where)
     check_seal(m, where=where)
     if int(m["step"]) != step:
@@ -76,8 +114,9 @@ def read_manifest(storages: list[Storage], step: int) -> dict:
 
 
 def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: bool = True,
-                 names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Read (and checksum) the tensors of a committed checkpoint into fresh CPU tensors."""
+                 names: set[str] | None = None, decode: bool = True) -> dict[str, torch.Tensor]:
+    """Read (and checksum) the tensors of a committed checkpoint into fresh CPU tensors;
+    ``decode=False`` leaves the tensors that codecs encoded as their stored uint8 bytes."""
     out: dict[str, torch.Tensor] = {}
     by_shard: dict[int, list[str]] = {}
     for name, t in manifest["tensors"].items():
@@ -89,14 +128,14 @@ def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: 
         rel = f"{step_dir(step)}/{sh['file']}"
         where = st.url_of(rel)
         try:
-            raw = bytearray(st.read_bytes(rel))
+            raw = bytearray(_read_inside(st, step, sh["file"]))
         except FileNotFoundError:
             raise CheckpointError(f"{where} is missing") from None
-        start, hdr = parse_safetensors_header(bytes(raw[:min(len(raw), 100 << 20)]), where=where)
+        start, hdr = parse_safetensors_header(raw, where=where)
         data = memoryview(raw)[start:]
         for name in tnames:
             t = manifest["tensors"][name]
-            h = hdr.get(name)
+            h = hdr.get(name) if name != "__metadata__" else None
             a, b = t["offset"], t["offset"] + t["nbytes"]
             if not h or h.get("data_offsets") != [a, b] or h.get("dtype") != t["dtype"] or h.get("shape") != t["shape"]:
                 raise CheckpointError(f"{where}: tensor {name!r} in the file does not match the manifest")
@@ -114,7 +153,7 @@ def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: 
                 out[name] = torch.empty(t["shape"], dtype=dtype)
             else:
                 out[name] = torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).reshape(t["shape"])
-    return out
+    return codecs.decode_tensors(storages, step, manifest, out, verify=verify) if decode else out
 
 
 def decode_state(manifest: dict, tensors: dict[str, torch.Tensor], *, where: str) -> tuple[dict, dict]:
@@ -126,7 +165,8 @@ def decode_state(manifest: dict, tensors: dict[str, torch.Tensor], *, where: str
             raise TypeError(f"the state is a {type(state).__name__}, not a dict")
         state.update(unflatten(manifest.get("late", {}), {}))
         rng = unflatten(manifest.get("rng", {}), {})
-    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+    except (LookupError, ValueError, TypeError, AttributeError, OverflowError, RuntimeError) as e:
+        # RuntimeError includes RecursionError (a skeleton nested too deeply)
         raise CheckpointError(f"{where}: the manifest's state skeleton is malformed "
                               f"({type(e).__name__}: {e})") from None
     return state, rng
@@ -143,30 +183,146 @@ class Candidate:
     step: int
     tier: int
     storages: list
+    rejected: str | None = None
+    """Set for a checkpoint that was moved aside: its folder under ``rejected/``."""
 
 
-def candidates(tiers: list[list[Storage]]) -> list[Candidate]:
-    """Every committed step of every tier, newest first; ties go to the earlier (faster) tier."""
+def candidates(tiers: list[list[Storage]], *, retry: RetryPolicy | None = None) -> list[Candidate]:
+    """Every committed step of every tier, newest first; ties go to the earlier (faster) tier.
+
+    Every tier is required: a tier whose listing keeps failing (after ``retry``) raises
+    :class:`~cfdist.checkpoint.retry.StorageUnavailable` naming it, because skipping it could
+    roll back past its newer checkpoints. Drop a tier that is gone for good from the list.
+    """
     out = []
     for i, sts in enumerate(tiers):
-        try:
-            steps = committed_steps(sts[0])
-        except OSError as e:
-            log.warning("cannot list %s: %s; skipping that tier", sts[0].url, e)
-            continue
+        steps = retrying(lambda sts=sts: committed_steps(sts[0]), policy=retry,
+                         what=f"listing the checkpoints of tier {i} ({sts[0].url})")
         out += [Candidate(s, i, sts) for s in steps]
     return sorted(out, key=lambda c: (-c.step, c.tier))
 
 
-def find_latest(tiers: list[list[Storage]]) -> Candidate | None:
+def find_latest(tiers: list[list[Storage]], *, retry: RetryPolicy | None = None) -> Candidate | None:
     """The newest committed step across tiers (not verified; see ``load_verified``)."""
-    c = candidates(tiers)
+    c = candidates(tiers, retry=retry)
     return c[0] if c else None
 
 
+def rejected_candidates(tiers: list[list[Storage]], step: int | None = None) -> list[Candidate]:
+    """Checkpoints moved aside (``rejected/``) in each tier, newest step first, then most
+    recently moved first; only ``step`` when given."""
+    from cfdist.checkpoint import rejected
+
+    out = []
+    for i, sts in enumerate(tiers):
+        for tag, view, _reason in rejected.find(sts, step):
+            out += [Candidate(s, i, view, rejected=tag) for s in committed_steps(view[0])]
+    return out
+
+
+@dataclass
+class Loaded:
+    """What :func:`load_newest` found: the checkpoint loaded and the ones rejected on the way."""
+
+    candidate: Candidate
+    manifest: dict
+    state: dict
+    rng: dict
+    rejected: list[tuple[Candidate, str]] = field(default_factory=list)
+    """``(candidate, why)`` of newer checkpoints whose content was unusable (CheckpointError)."""
+    passed: list[int] = field(default_factory=list)
+    """Newer steps committed in the first tier that were not tried (a ``step`` was asked for)."""
+    extra: object = None
+    """What ``load_first``'s ``extra`` check returned for this checkpoint."""
+
+
+def _load_one(c: Candidate, verify: bool) -> tuple[dict, dict, dict]:
+    m, tensors = load_verified(c.storages, c.step, verify=verify)
+    state, rng = decode_state(m, tensors, where=c.storages[0].url_of(step_dir(c.step)))
+    return m, state, rng
+
+
+def _warn(c: Candidate, why: str) -> None:
+    warnings.warn(f"checkpoint step {c.step} in {c.storages[0].url} is unusable ({why}); "
+                  f"falling back to an older one", RuntimeWarning, stacklevel=4)
+
+
+def load_first(cands: list[Candidate], *, verify: bool = True, retry: RetryPolicy | None = None,
+               on_reject: Callable[[Candidate, str], None] = _warn,
+               extra: Callable[[Candidate, dict], object] | None = None
+               ) -> tuple[Loaded | None, list[tuple[Candidate, str]]]:
+    """Load the first of ``cands`` whose content verifies: the candidate loop of every restore.
+
+    A content error (``CheckpointError``, also from ``extra(candidate, manifest)``, a further
+    check whose result lands in ``Loaded.extra``) rejects that candidate (``on_reject(candidate,
+    why)``, by default a ``RuntimeWarning`` naming the file and checksums) and the next one is
+    tried. A storage error (``OSError``) is retried per ``retry`` and then raised as
+    :class:`~cfdist.checkpoint.retry.StorageUnavailable` naming the URL and the step: nothing is
+    rolled back past a checkpoint that may be intact. Returns ``(loaded or None, rejected)``.
+    """
+    rejected: list[tuple[Candidate, str]] = []
+    for c in cands:
+        where = c.storages[0].url_of(step_dir(c.step))
+        try:
+            m, state, rng = retrying(lambda c=c: _load_one(c, verify), policy=retry,
+                                     what=f"reading step {c.step} from {where}")
+            more = extra(c, m) if extra is not None else None
+        except CheckpointError as e:
+            rejected.append((c, str(e)))
+            on_reject(c, str(e))
+            continue
+        if c.rejected is not None:
+            log.warning("loaded step %d from %s, a checkpoint moved aside earlier", c.step, where)
+        return Loaded(c, m, state, rng, list(rejected), extra=more), rejected
+    return None, rejected
+
+
+def with_rejected(tiers: list[list[Storage]], cands: list[Candidate], step: int) -> list[Candidate]:
+    """``cands`` plus, when no tier holds ``step`` live, its copies moved aside (``rejected/``)."""
+    if any(c.step == step for c in cands):
+        return cands
+    return cands + rejected_candidates(tiers, step)
+
+
+def load_newest(tiers: list[list[Storage]], *, step: int | None = None, verify: bool = True,
+                retry: RetryPolicy | None = None,
+                on_reject: Callable[[Candidate, str], None] = _warn) -> Loaded | None:
+    """Load the newest committed checkpoint whose content verifies (or ``step``), into CPU tensors.
+
+    One process's restore (``Checkpointer.restore`` adds the agreement between ranks): see
+    :func:`load_first` for content errors (fall back) and storage errors (retry, then raise).
+    ``step``: only that step (any tier holding it, ties to the earlier tier); when no tier holds
+    it committed, its copies moved aside under ``rejected/`` are tried (most recent first).
+    Returns None when there is no checkpoint at all; raises ``CheckpointError`` when there are
+    some and none is usable. Reads only; call from any process.
+    """
+    cands = candidates(tiers, retry=retry)
+    passed = []
+    if step is not None:
+        passed = sorted({c.step for c in cands if c.step > step and c.tier == 0})
+        cands = [c for c in with_rejected(tiers, cands, step) if c.step == step]
+        if not cands:
+            raise CheckpointError(f"step {step} is not committed in any of {[t[0].url for t in tiers]}, "
+                                  f"nor moved aside under their rejected/ folders")
+    found, rejected = load_first(cands, verify=verify, retry=retry, on_reject=on_reject)
+    if found is not None:
+        found.passed = passed
+        return found
+    if not rejected:
+        return None
+    raise CheckpointError("no usable checkpoint; found and rejected:\n  " +
+                          "\n  ".join(f"step {c.step} in {c.storages[0].url}: {why}" for c, why in rejected))
+
+
 def copy_checkpoint(src: list[Storage], step: int, dst: list[Storage]) -> None:
-    """Copy a committed checkpoint between tiers with the same commit protocol (manifest last)."""
+    """Copy a committed checkpoint between tiers with the same commit protocol (manifest last).
+
+    The steps a codec chain needs (``depends_on``) are copied first, unless ``dst`` has them."""
     m = read_manifest(src, step)
+    have = set(committed_steps(dst[0])) if m.get("depends_on") else set()
+    for dep, _ in m.get("depends_on", ()):
+        if dep not in have:
+            copy_checkpoint(src, dep, dst)
     final = step_dir(step)
     staging = {r: dst[r].staging_dir(final) for r in range(len(dst))}
     for sh in m["shards"]:
@@ -186,45 +342,62 @@ def copy_checkpoint(src: list[Storage], step: int, dst: list[Storage]) -> None:
 
 # ---- public helpers ------------------------------------------------------------------------------
 
-def list_checkpoints(storage, **storage_options) -> list[dict]:
+def _open_checked(storage, storage_options: dict) -> list[Storage]:
+    sts = open_storages(storage, **storage_options)
+    if len(sts) > 1:
+        from cfdist.checkpoint import roots
+
+        roots.check(sts, create=False)   # a reordered list would make intact checkpoints look corrupt
+    return sts
+
+
+def list_checkpoints(storage, *, include_rejected: bool = False, **storage_options) -> list[dict]:
     """Committed checkpoints in ``storage`` (URL or list of URLs), oldest first.
 
-    Each: ``{"step", "epoch", "epoch_end", "time", "bytes", "url"}``. Reads only manifests.
+    Each: ``{"step", "epoch", "epoch_end", "time", "bytes", "url"}``. Reads only manifests; a
+    manifest whose content is bad is left out with a warning, a storage error is retried and
+    then raised (``StorageUnavailable``).
+    ``include_rejected``: also the checkpoints moved aside under ``rejected/`` (a run rolled back
+    past them), each with ``"rejected": {"why", "when", "replaced_by"}``; ``load(url, step=...)``
+    still reads them.
     """
-    sts = open_storages(storage, **storage_options)
+    sts = _open_checked(storage, storage_options)
     out = []
-    for s in committed_steps(sts[0]):
+    found = candidates([sts])
+    if include_rejected:
+        found += retrying(lambda: rejected_candidates([sts]), what=f"listing {sts[0].url_of('rejected')}")
+    for c in sorted(found, key=lambda c: (c.step, c.rejected is None)):
         try:
-            m = read_manifest(sts, s)
+            m = retrying(lambda c=c: read_manifest(c.storages, c.step),
+                         what=f"reading the manifest of step {c.step} in {c.storages[0].url}")
         except CheckpointError as e:
             log.warning("%s", e)
             continue
-        out.append({"step": s, "epoch": m.get("epoch"), "epoch_end": bool(m.get("epoch_end")),
-                    "time": m.get("time"), "bytes": m.get("bytes"), "url": sts[0].url_of(step_dir(s))})
+        row = {"step": c.step, "epoch": m.get("epoch"), "epoch_end": bool(m.get("epoch_end")),
+               "time": m.get("time"), "bytes": m.get("bytes"), "url": c.storages[0].url_of(step_dir(c.step))}
+        if c.rejected is not None:
+            from cfdist.checkpoint import rejected
+
+            row["rejected"] = rejected.reason(sts[0], c.rejected)
+        out.append(row)
     return out
 
 
-def load(storage, step: int | None = None, *, verify: bool = True, **storage_options) -> dict:
+def load(storage, step: int | None = None, *, verify: bool = True, read_retry: RetryPolicy | None = None,
+         **storage_options) -> dict:
     """A committed checkpoint as a plain nested dict (no live objects needed).
 
     ``{"step": ..., "epoch": ..., "state": {key: state_dict, ...}, "extra": {...}}`` where each
     state_dict holds CPU tensors: ``load(url)["state"]["model"]`` goes straight into
-    ``model.load_state_dict``. ``step=None`` takes the newest that verifies.
+    ``model.load_state_dict``. ``step=None`` takes the newest that verifies; a given ``step``
+    that is not committed is looked up among the checkpoints moved aside (``rejected/``).
+    Storage errors are retried (``read_retry``) and then raised, never taken for corruption.
     """
-    sts = open_storages(storage, **storage_options)
-    steps = [step] if step is not None else list(reversed(committed_steps(sts[0])))
-    if not steps:
+    sts = _open_checked(storage, storage_options)
+    found = load_newest([sts], step=step, verify=verify, retry=read_retry,
+                        on_reject=lambda c, why: log.warning("%s; trying an older checkpoint", why))
+    if found is None:
         raise CheckpointError(f"no committed checkpoint in {sts[0].url}")
-    errors = []
-    for s in steps:
-        try:
-            m, tensors = load_verified(sts, s, verify=verify)
-            state, rng = decode_state(m, tensors, where=sts[0].url_of(step_dir(s)))
-        except CheckpointError as e:
-            if step is not None:
-                raise
-            errors.append(str(e))
-            log.warning("%s; trying an older checkpoint", e)
-            continue
-        return {"step": s, "epoch": m.get("epoch"), "time": m.get("time"), "state": state, "rng": rng}
-    raise CheckpointError(f"no usable checkpoint in {sts[0].url}: " + "; ".join(errors))
+    m = found.manifest
+    return {"step": found.candidate.step, "epoch": m.get("epoch"), "time": m.get("time"),
+            "state": found.state, "rng": found.rng}

@@ -144,6 +144,9 @@ def _b64_to_tensor(d: dict) -> torch.Tensor:
         raise ValueError(f"unknown dtype {d['dtype']!r} in checkpoint skeleton")
     raw = bytearray(base64.b64decode(d["b64"]))
     shape = [int(x) for x in d["shape"]]
+    if any(x < 0 for x in shape) or math.prod(shape) * dtype.itemsize != len(raw):
+        # checked before any allocation: a forged shape must not allocate terabytes
+        raise ValueError(f"inline tensor of shape {shape} and dtype {dtype} does not match its {len(raw)} bytes")
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()

@@ -13,6 +13,25 @@ little-endian header length, JSON header (padded with spaces to 8 bytes), then t
 bytes back to back, ordered by element size (largest first) so every tensor is aligned.
 The manifest holds the skeleton of the state, every tensor's shard/offset/dtype/shape and its
 xxh3-64 checksum, and the small state (iterator, RNG, scheduler, step, epoch).
+
+**Codecs** (``Checkpointer(codecs=[...])``, :mod:`cfdist.checkpoint.codecs`). Without codecs
+the format above is unchanged, byte for byte. With codecs, an encoded tensor stays in the same
+shard, as a 1-D ``U8`` tensor of its encoded bytes (so the shard is still a valid safetensors
+file, and offsets, sizes and checksums in the manifest describe the stored bytes as for any
+tensor); its manifest entry adds::
+
+    "codecs":  [{"name": "incremental", "ref": 1190, "ref_id": "...", ...},
+                {"name": "quantize", "bits": 8, ...}, {"name": "zstd", "level": 3, "nbytes": ...}]
+    "parts":   [[part name, numpy dtype, shape, offset, nbytes], ...]   # the payload's layout
+    "logical": {"dtype": "F32", "shape": [1000000, 64]}                 # what decoding returns
+
+Decoding applies the codecs in reverse order (zstd first); ``parts`` names only numeric numpy
+dtypes. The manifest also gains ``ckpt_id`` (a random id: a chain refers to a step *and* its
+id, so a step replaced by another run is never mistaken for the one encoded against),
+``depends_on`` (``[[step, ckpt_id], ...]``: every checkpoint a restore of this one reads;
+retention keeps them), ``codecs`` (the codecs and parameters of the Checkpointer) and
+``bytes_stored``. ``safetensors.torch.load_file`` still opens such a shard, but encoded tensors
+come out as their uint8 bytes: read them with ``cfdist.load``.
 """
 
 from __future__ import annotations
@@ -89,20 +108,43 @@ def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | No
     return struct.pack("<Q", len(raw)) + raw
 
 
-def parse_safetensors_header(head: bytes, *, where: str) -> tuple[int, dict]:
-    """(data start offset, header dict) of a safetensors file's first bytes. Refuses anything else."""
+MAX_HEADER = 100 << 20
+"""Largest safetensors header accepted (the ``safetensors`` library's own limit)."""
+
+
+def parse_safetensors_header(head: bytes | bytearray, *, where: str) -> tuple[int, dict]:
+    """(data start offset, header dict) of a safetensors file's first bytes. Refuses anything else.
+
+    ``head`` holds at least the 8-byte length and the header (the whole file will do). Every
+    entry is checked: a known dtype, a shape of counts, ``data_offsets`` whose length equals
+    dtype size x shape. Whether the offsets fit the file is the reader's check (it knows the size).
+    """
     if len(head) < 8:
         raise CheckpointError(f"{where} is not a safetensors file (only {len(head)} bytes)")
-    (n,) = struct.unpack("<Q", head[:8])
-    if n > 100 << 20 or 8 + n > len(head):
+    (n,) = struct.unpack("<Q", bytes(head[:8]))
+    if n > MAX_HEADER or 8 + n > len(head):
         raise CheckpointError(f"{where} is not a safetensors file (header length {n} is implausible "
                               f"or truncated); it may be a pickle or a corrupted file")
     try:
-        hdr = json.loads(head[8:8 + n])
+        hdr = json.loads(bytes(head[8:8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{where} is not a safetensors file: header is not JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{where} is not a safetensors file: its header nests too deeply") from None
     if not isinstance(hdr, dict):
         raise CheckpointError(f"{where} is not a safetensors file: header is not an object")
+    for name, e in hdr.items():
+        if name == "__metadata__":
+            if not (isinstance(e, dict) and all(isinstance(v, str) for v in e.values())):
+                raise CheckpointError(f"{where}: safetensors __metadata__ must map strings to strings")
+            continue
+        dt = e.get("dtype") if isinstance(e, dict) else None
+        shape = e.get("shape") if isinstance(e, dict) else None
+        offs = e.get("data_offsets") if isinstance(e, dict) else None
+        if not (isinstance(dt, str) and dt in ST_TO_TORCH and _is_shape(shape) and isinstance(offs, list) and len(offs) == 2
+                and all(_is_count(o) for o in offs) and offs[1] - offs[0] == _nbytes(dt, shape)):
+            raise CheckpointError(f"{where}: safetensors entry {name!r} is malformed (dtype {dt!r}, shape "
+                                  f"{shape!r}, data_offsets {offs!r}: the byte range must be dtype size x shape)")
     return 8 + n, hdr
 
 
@@ -128,7 +170,10 @@ def check_seal(m: dict, *, where: str) -> None:
 
     if SEAL not in m:
         raise CheckpointError(f"{where}: manifest has no {SEAL!r}; it was not written by cfdist or was edited")
-    got = xxhash.xxh3_64_hexdigest(_canonical(m))
+    try:
+        got = xxhash.xxh3_64_hexdigest(_canonical(m))
+    except (RecursionError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{where}: manifest cannot be checksummed ({type(e).__name__}: {e})") from None
     if got != m[SEAL]:
         raise CheckpointError(f"{where}: manifest failed its checksum ({got} != {m[SEAL]})")
 
@@ -142,6 +187,10 @@ def validate_manifest(m: object, *, where: str) -> dict:
     for key in ("step", "shards", "tensors", "skeleton"):
         if key not in m:
             raise CheckpointError(f"{where}: manifest lacks {key!r}")
+    if not _is_count(m["step"]):
+        raise CheckpointError(f"{where}: manifest has an invalid step {m['step']!r}")
+    if not isinstance(m["tensors"], dict):
+        raise CheckpointError(f"{where}: manifest's tensors are not an object")
     shards = m["shards"]
     if not isinstance(shards, list) or not shards:
         raise CheckpointError(f"{where}: manifest has no shards")
@@ -150,20 +199,34 @@ def validate_manifest(m: object, *, where: str) -> dict:
         if not isinstance(f, str) or not SHARD_RE.match(f) or "/" in f or "\\" in f:
             raise CheckpointError(f"{where}: manifest names an unsafe or unexpected shard file {f!r}; "
                                   f"refusing to read it (shard files must look like shard-00000-of-00001.safetensors)")
-        if not isinstance(s.get("root"), int) or s["root"] < 0:
+        if not _is_count(s.get("root")):
             raise CheckpointError(f"{where}: shard {i} has an invalid root index {s.get('root')!r}")
     for name, t in m["tensors"].items():
         if not isinstance(t, dict) or not isinstance(t.get("shard"), int) or not 0 <= t["shard"] < len(shards):
             raise CheckpointError(f"{where}: tensor {name!r} points at a shard that does not exist")
-        if t.get("dtype") not in ST_TO_TORCH:
+        if not isinstance(t.get("dtype"), str) or t["dtype"] not in ST_TO_TORCH:
             raise CheckpointError(f"{where}: tensor {name!r} has unknown dtype {t.get('dtype')!r}")
         shape, off, nb = t.get("shape"), t.get("offset"), t.get("nbytes")
-        if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and _is_count(off) and _is_count(nb)
-                and nb == math.prod(shape) * ST_TO_TORCH[t["dtype"]].itemsize):
+        if not (_is_shape(shape) and _is_count(off) and _is_count(nb) and nb == _nbytes(t["dtype"], shape)):
             raise CheckpointError(f"{where}: tensor {name!r} has an inconsistent shape {shape!r}, "
                                   f"offset {off!r} or size {nb!r}")
     return m
 
 
+_INT64 = 1 << 63
+
+
 def _is_count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    """A non-negative int that fits an int64 (torch sizes and file offsets)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _INT64
+
+
+def _is_shape(v: object) -> bool:
+    """A list of at most 64 counts whose product (zeros counted as 1) fits an int64, so torch's
+    size and stride arithmetic cannot overflow even for an empty tensor."""
+    return (isinstance(v, list) and len(v) <= 64 and all(_is_count(d) for d in v)
+            and math.prod(max(d, 1) for d in v) < _INT64)
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    return math.prod(shape) * ST_TO_TORCH[dtype].itemsize

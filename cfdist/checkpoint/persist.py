@@ -3,22 +3,22 @@
 :func:`write_checkpoint` is the whole protocol and runs in any process (the training process's
 writer thread, a writer subprocess, a Ray node actor):
 
-0. a step directory of the same number, left by a run that rolled back past it, is un-committed
-   and removed (the previous checkpoint, older, stays);
+0. a committed step directory of the same number, left by a run that rolled back past it, is
+   moved aside to ``rejected/`` (never deleted; an uncommitted leftover is removed);
 1. every shard is streamed from its arena into ``<staging>/shard-i-of-n.safetensors`` on its
    root (roots in parallel), computing each tensor's xxh3-64 on the way; files are fsynced;
 2. the secondary roots' step directories are published (a rename locally);
 3. ``MANIFEST.json`` is written into root 0's staging directory and fsynced, and that directory
    is published: **this is the commit**. On object stores there is no rename: the manifest
    PUT, written last, is the commit marker;
-4. only then retention deletes older checkpoints (never the one just committed), and newer-
-   numbered ones of a rolled-back run.
+4. only then retention deletes older checkpoints of the same lineage (never the one just
+   committed) and moves the ones it does not descend from aside.
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
 Backends decide *where* that function runs. ``ThreadBackend`` (default) runs it on one
 background thread of the training process. It was measured against ``ProcessBackend`` (a spawned
-writer process reading the arenas from /dev/shm) with ``bench/bench_checkpoint.py``: the
+writer process reading the arenas from /dev/shm) with ``cfdist bench``: the
 hashing (xxhash) and the writes both release the GIL, so the thread costs training no more
 than the process does, while the process needs shared-memory arenas, a second interpreter
 with torch imported and cannot reach ``memory://``. ``ProcessBackend`` stays available for
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cfdist.checkpoint import retention
+from cfdist.checkpoint import codecs, rejected, retention
 from cfdist.checkpoint.format import (
     FORMAT, MANIFEST, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
 )
@@ -76,6 +76,12 @@ class PersistJob:
     keep_epoch_ends: bool = True
     arenas: list[torch.Tensor] | None = field(default=None, repr=False)
     """In-process arenas (uint8 tensors); dropped when pickled."""
+    rolled_back: dict[int, str] | None = None
+    """Why restore rolled back past some committed steps (recorded when they are moved aside)."""
+    codecs: tuple = ()
+    """``cfdist.codecs`` to encode with (empty: the plain format)."""
+    codec_session: str | None = None
+    """Id of the Checkpointer: chain codecs keep references per storage and session."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -94,13 +100,17 @@ class CommitInfo:
     bytes: int
     seconds: float
     deleted: tuple[int, ...] = ()
+    bytes_logical: int | None = None
+    """Bytes of the tensors before codecs (``bytes`` is what the shard files hold)."""
 
 
-def _shard_chunks(header: bytes, arena: np.ndarray, entries: list[TensorEntry], sums: dict):
+def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorEntry], sums: dict,
+                  buffers: list | None = None):
+    """The shard's bytes in chunks: each entry's slice of ``arena``, or its buffer in ``buffers``."""
     yield header
-    for e in entries:
+    for k, e in enumerate(entries):
+        mv = memoryview(arena[e.offset:e.offset + e.nbytes]) if buffers is None else buffers[k]
         h = xxhash.xxh3_64()
-        mv = memoryview(arena[e.offset:e.offset + e.nbytes])
         for i in range(0, e.nbytes, _CHUNK):
             c = mv[i:i + _CHUNK]
             h.update(c)
@@ -116,26 +126,27 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     """
     t0 = time.perf_counter()
     final = step_dir(job.step)
-    if any(st.exists(final) for st in storages):
-        # Left by a run that rolled back past this step (restore rejected or skipped it): it
-        # would block the publish, and on object stores new shards would land under its manifest.
-        log.warning("replacing step %d in %s, left by a run that rolled back past it", job.step, storages[0].url)
-        retention.delete_checkpoint(storages, job.step)
+    # Left by a run that rolled back past this step: it would block the publish, and on object
+    # stores new shards would land under its manifest. Moved aside, never deleted.
+    rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
+        job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
     arenas = job.arenas
     if arenas is None:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]
     staging = {r: storages[r].staging_dir(final) for r in {s.root for s in job.shards} | {0}}
     sums: dict[str, str] = {}
+    enc = codecs.begin(storages, job.step, job.codecs, job.codec_session)
+    written: dict[int, codecs.EncodedShard] = {}
 
     def write_root(r: int) -> int:
         n = 0
         for s in job.shards:
             if s.root != r:
                 continue
-            arr = arenas[s.index].numpy()
-            hdr = safetensors_header(s.entries, {"format": "pt", "step": str(job.step)})
+            sh = written[s.index] = codecs.encode_shard(enc, s.entries, arenas[s.index].numpy())
+            hdr = safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)})
             n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}",
-                                        _shard_chunks(hdr, arr, s.entries, sums))
+                                        _shard_chunks(hdr, None, sh.entries, sums, sh.buffers))
         storages[r].fsync_dir(staging[r])
         return n
 
@@ -151,19 +162,25 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     manifest = dict(job.manifest)
     manifest.update(
         format=FORMAT, step=job.step, time=time.time(), bytes=job.nbytes, roots=len(storages),
-        shards=[{"file": shard_name(s.index, s.count), "root": s.root, "bytes": s.nbytes}
+        shards=[{"file": shard_name(s.index, s.count), "root": s.root, "bytes": written[s.index].nbytes}
                 for s in job.shards],
-        tensors={e.name: e.to_json(sums[e.name]) for s in job.shards for e in s.entries},
+        tensors={e.name: {**e.to_json(sums[e.name]), **written[s.index].extra.get(e.name, {})}
+                 for s in job.shards for e in written[s.index].entries},
     )
+    if enc is not None:
+        manifest.update(enc.manifest_fields())
     storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])
     storages[0].fsync_dir(staging[0])
     storages[0].publish(staging[0], final)  # == COMMIT
+    if enc is not None:
+        enc.commit()   # chain codecs' references now point at this checkpoint
     seconds = time.perf_counter() - t0
     deleted = retention.apply(storages, keep=job.keep, keep_epoch_ends=job.keep_epoch_ends,
-                              newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")))
+                              newest=job.step, newest_epoch_end=bool(job.manifest.get("epoch_end")),
+                              reasons=job.rolled_back)
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
     return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total, seconds=seconds,
-                      deleted=tuple(deleted))
+                      deleted=tuple(deleted), bytes_logical=job.nbytes)
 
 
 # ---- backends ----------------------------------------------------------------------------------

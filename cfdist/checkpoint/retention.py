@@ -1,10 +1,23 @@
-"""Which committed checkpoints to delete. The choice is pure; :func:`apply` is its thin shell.
+"""Which committed checkpoints to delete or move aside. The choice is pure; :func:`apply` is its shell.
 
-Rules: keep the newest ``keep`` committed checkpoints; keep epoch-boundary checkpoints unless
-``keep_epoch_ends=False``; never delete the newest committed one. Called only right after a
-commit, so nothing is deleted before a newer checkpoint is safe (invariant 2). Steps numbered
-above the one just committed were left by a run that rolled back past them (restore rejected
-or skipped them): they are deleted too, or the next restore would pick them over newer work.
+Rules (invariant 2), applied only right after a commit of ``newest``:
+
+* retention **deletes** only *ancestors* of ``newest`` (same lineage, older), beyond the ``keep``
+  newest of them, and never an epoch end while ``keep_epoch_ends``;
+* a committed checkpoint that is **not an ancestor** (numbered above ``newest``: a run rolled
+  back past it; or from another run or another branch) is **moved aside** to ``rejected/``
+  (:mod:`cfdist.checkpoint.rejected`), never deleted;
+* **unknown** (its manifest could not be read or says nothing usable): neither. It stays;
+* a checkpoint that one staying depends on (the base and increments of a ``cfdist.codecs``
+  chain, listed in its manifest's ``depends_on``) stays as long as that one does.
+
+**Lineage.** Every manifest records ``"lineage": {"run": id, "restores": [s1, s2, ...]}``: ``run``
+is drawn when a Checkpointer starts without restoring, and inherited by restore, which appends the
+restored step. Checkpoint ``c`` is an ancestor of ``n`` when both have the same ``run``, ``c``'s
+restores are a prefix of ``n``'s, and ``c.step`` is at most the restore that followed that prefix
+(or, with the same restores, ``c.step < n.step``): ``n``'s state was computed from ``c``'s. A
+manifest without ``lineage`` (written by a bare ``write_checkpoint`` job) belongs to one anonymous
+lineage with no restores.
 """
 
 from __future__ import annotations
@@ -12,43 +25,164 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
+from dataclasses import dataclass
 
 from cfdist.checkpoint.format import MANIFEST, step_dir
 
 log = logging.getLogger("cfdist.retention")
 
+UNKNOWN = object()
+"""The lineage (or epoch end) of a checkpoint whose manifest could not be read."""
 
-def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: bool,
-                     newest: int | None = None) -> list[int]:
-    """Steps to delete, given ``(step, is_epoch_end)`` of every committed checkpoint.
+ANONYMOUS = {"run": None, "restores": []}
 
-    ``newest``: the step just committed; committed steps above it are from a rolled-back run.
-    """
+
+def new_lineage() -> dict:
+    """The lineage of a run that starts without restoring."""
+    return {"run": uuid.uuid4().hex, "restores": []}
+
+
+def after_restore(manifest: dict, step: int) -> dict:
+    """The lineage of a run that restored ``step`` from ``manifest``."""
+    lin = lineage_of(manifest)
+    if lin is UNKNOWN:
+        lin = new_lineage()
+    return {"run": lin["run"], "restores": [*lin["restores"], step]}
+
+
+def lineage_of(manifest: object) -> dict | object:
+    """A manifest's lineage (``ANONYMOUS`` if it has none, ``UNKNOWN`` if it is malformed)."""
+    if not isinstance(manifest, dict):
+        return UNKNOWN
+    lin = manifest.get("lineage", ANONYMOUS)
+    if (isinstance(lin, dict) and (lin.get("run") is None or isinstance(lin.get("run"), str))
+            and isinstance(lin.get("restores"), list)
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in lin["restores"])):
+        return {"run": lin.get("run"), "restores": list(lin["restores"])}
+    return UNKNOWN
+
+
+def is_ancestor(step: int, lineage, newest: int, newest_lineage) -> bool | None:
+    """Whether checkpoint ``(step, lineage)`` is an ancestor of ``(newest, newest_lineage)``;
+    None when either lineage is ``UNKNOWN``."""
+    if lineage is UNKNOWN or newest_lineage is UNKNOWN:
+        return None
+    if step >= newest or lineage["run"] != newest_lineage["run"]:
+        return False
+    mine, theirs = lineage["restores"], newest_lineage["restores"]
+    k = len(mine)
+    if theirs[:k] != mine:
+        return False
+    return k == len(theirs) or step <= theirs[k]
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What retention knows of one committed checkpoint."""
+
+    step: int
+    epoch_end: bool | None = False
+    """None: unknown (unreadable manifest)."""
+    lineage: object = None
+    """A lineage dict, or ``UNKNOWN``; None means ``ANONYMOUS``."""
+    depends: tuple[int, ...] = ()
+    """Steps it needs to be restored (``depends_on``: a codec chain)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    delete: list[int]
+    move_aside: list[tuple[int, str]]
+    """``(step, why)``."""
+
+
+def choose(committed: list[Committed], *, keep: int, keep_epoch_ends: bool, newest: int) -> Plan:
+    """What to do with each committed checkpoint right after ``newest`` committed (pure)."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    stale = [s for s, _ in committed if newest is not None and s > newest]
-    steps = sorted((c for c in committed if c[0] not in stale), reverse=True)
-    kept_newest = {s for s, _ in steps[:keep]}
-    return sorted(stale + [s for s, ee in steps if s not in kept_newest and not (keep_epoch_ends and ee)])
+    by_step = {c.step: c for c in committed}
+    top = by_step.get(newest, Committed(newest))
+    top_lin = ANONYMOUS if top.lineage is None else top.lineage
+    ancestors, aside = [], []
+    for c in sorted(committed, key=lambda c: c.step, reverse=True):
+        if c.step == newest:
+            continue
+        anc = is_ancestor(c.step, ANONYMOUS if c.lineage is None else c.lineage, newest, top_lin)
+        if c.step > newest:
+            aside.append((c.step, f"numbered above step {newest}, which was just committed by a run that "
+                                  f"does not descend from it (it restored an older step, or started afresh)"))
+        elif anc is False:
+            aside.append((c.step, f"not an ancestor of step {newest}, which was just committed (another run, "
+                                  f"or a branch that was rolled back)"))
+        elif anc:
+            ancestors.append(c)
+    kept = keep - 1   # the newest counts
+    delete = []
+    for c in ancestors:
+        if kept > 0:
+            kept -= 1
+        elif c.epoch_end is None or (keep_epoch_ends and c.epoch_end):
+            continue   # unknown, or an epoch end to keep
+        else:
+            delete.append(c.step)
+    gone = set(delete) | {s for s, _ in aside}
+    needed = {d for c in [*committed, top] if c.step not in gone for d in c.depends}
+    return Plan(delete=sorted(s for s in delete if s not in needed),
+                move_aside=sorted((s, why) for s, why in aside if s not in needed))
 
 
-# step -> is_epoch_end, per storage URL: manifests are read once per process, not at every commit.
-_EPOCH_END: dict[str, dict[int, bool]] = {}
+def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: bool,
+                     newest: int | None = None, depends: dict[int, list[int]] | None = None) -> list[int]:
+    """Steps to delete among ``(step, is_epoch_end)`` of one lineage, ``newest`` just committed
+    (default: the highest). Steps above ``newest`` are never deleted (they are moved aside).
+    ``depends``: step -> the steps it needs to be restored (never deleted while it stays)."""
+    if not committed:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        return []
+    newest = max(s for s, _ in committed) if newest is None else newest
+    return choose([Committed(s, ee, None, tuple((depends or {}).get(s, ()))) for s, ee in committed],
+                  keep=keep, keep_epoch_ends=keep_epoch_ends, newest=newest).delete
+
+
+# (epoch_end, lineage, depends) per storage URL and step: manifests are read once per process. Only
+# successful reads are cached; a step's entry goes when it is deleted, moved or re-committed.
+_INFO: dict[str, dict[int, tuple[bool, object, tuple[int, ...]]]] = {}
 _LOCK = threading.Lock()
 
 
-def _is_epoch_end(storage, step: int) -> bool:
+def _info(storage, step: int, *, cached: bool = True) -> Committed:
     with _LOCK:
-        known = _EPOCH_END.setdefault(storage.url, {})
-        if step in known:
-            return known[step]
+        known = _INFO.setdefault(storage.url, {})
+        if cached and step in known:
+            return Committed(step, *known[step])
     try:
-        ee = bool(json.loads(storage.read_bytes(f"{step_dir(step)}/{MANIFEST}")).get("epoch_end"))
-    except (OSError, ValueError):
-        ee = False
+        m = json.loads(storage.read_bytes(f"{step_dir(step)}/{MANIFEST}"))
+    except (OSError, ValueError, RecursionError) as e:
+        log.warning("retention cannot read the manifest of step %d in %s (%s); keeping it", step, storage.url, e)
+        return Committed(step, None, UNKNOWN)
+    lin = lineage_of(m)
+    ee = bool(m.get("epoch_end")) if isinstance(m, dict) else None
+    try:
+        deps = tuple(int(d[0]) for d in (m.get("depends_on") or ())) if isinstance(m, dict) else ()
+    except (TypeError, ValueError, IndexError, KeyError):
+        return Committed(step, None, UNKNOWN)   # a chain it cannot read: keep everything
+    if lin is UNKNOWN or ee is None:
+        return Committed(step, ee, lin, deps)
     with _LOCK:
-        known[step] = ee
-    return ee
+        known[step] = (ee, lin, deps)
+    return Committed(step, ee, lin, deps)
+
+
+def _forget(storage, step: int) -> None:
+    with _LOCK:
+        _INFO.get(storage.url, {}).pop(step, None)
+
+
+def _is_epoch_end(storage, step: int) -> bool | None:
+    """Whether ``step`` is an epoch end; None when its manifest cannot be read (never cached)."""
+    return _info(storage, step).epoch_end
 
 
 def delete_checkpoint(storages, step: int) -> None:
@@ -57,21 +191,33 @@ def delete_checkpoint(storages, step: int) -> None:
     storages[0].remove(f"{d}/{MANIFEST}")
     for st in storages:
         st.remove(d)
-    with _LOCK:
-        _EPOCH_END.get(storages[0].url, {}).pop(step, None)
+    _forget(storages[0], step)
 
 
-def apply(storages, *, keep: int, keep_epoch_ends: bool, newest: int, newest_epoch_end: bool) -> list[int]:
+def apply(storages, *, keep: int, keep_epoch_ends: bool, newest: int, newest_epoch_end: bool,
+          reasons: dict[int, str] | None = None) -> list[int]:
+    """Apply :func:`choose` right after ``newest`` committed; returns the steps deleted.
+
+    ``reasons``: why the run rolled back past some steps (restore's verdicts), recorded in the
+    REASON.json of those moved aside. Storage errors are logged, never raised: retention failing
+    must not fail the commit that just succeeded (what it could not do stays for the next commit).
+    """
+    from cfdist.checkpoint import rejected
     from cfdist.checkpoint.discovery import committed_steps
 
-    with _LOCK:
-        _EPOCH_END.setdefault(storages[0].url, {})[newest] = newest_epoch_end
-    committed = [(s, _is_epoch_end(storages[0], s)) for s in committed_steps(storages[0])]
-    doomed = [s for s in choose_deletions(committed, keep=keep, keep_epoch_ends=keep_epoch_ends, newest=newest)
-              if s != newest]
-    for s in doomed:
+    _forget(storages[0], newest)
+    committed = [_info(storages[0], s, cached=s != newest) for s in committed_steps(storages[0])]
+    plan = choose(committed, keep=keep, keep_epoch_ends=keep_epoch_ends, newest=newest)
+    for s, why in plan.move_aside:
+        why = f"{(reasons or {})[s]}; then {why}" if s in (reasons or {}) else why
+        try:
+            rejected.move_aside(storages, s, why=why, replaced_by=newest)
+        except OSError as e:
+            log.warning("could not move step %d of %s aside: %s; it stays in place", s, storages[0].url, e)
+        _forget(storages[0], s)
+    for s in plan.delete:
         try:
             delete_checkpoint(storages, s)
-        except OSError as e:  # retention failing must not fail the commit that just succeeded
+        except OSError as e:
             log.warning("retention could not delete step %d in %s: %s", s, storages[0].url, e)
-    return doomed
+    return plan.delete

@@ -10,6 +10,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from cfdist.storage.redact import redact_url
+
 NODE_PLACEHOLDER = "{node}"
 """In a ``storage`` URL, replaced on each node by its name (label ``cfdist-node``, else hostname)."""
 
@@ -21,7 +23,7 @@ def _urls(value) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ValueError(f"storage must be a URL or a non-empty list of URLs (one per local disk), got {value!r}")
+    raise ValueError(f"storage must be a URL or a non-empty list of URLs (one per local disk), got {redact_url(repr(value))}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,14 +76,26 @@ class FitConfig:
     storage_options: dict | None = None
     """fsspec options for ``shared_storage`` (credentials, endpoint_url); never logged."""
 
+    def __repr__(self) -> str:
+        from dataclasses import fields
+
+        from cfdist.storage.redact import redact, redact_options
+
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["storage_options"] = redact_options(self.storage_options)
+        return redact(f"FitConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})")
+
     def __post_init__(self):
+        from cfdist.storage.redact import register, secrets_in
+
+        register(secrets_in(self.storage_options or {}))   # scrubbed from the driver's logs and events
         object.__setattr__(self, "storage", _urls(self.storage))
         for u in self.storage:
             if "://" in u and not u.startswith(("file://", "local://")):
-                raise ValueError(f"storage {u!r} must be node-local (file://...); put object stores "
-                                 f"in shared_storage=")
+                raise ValueError(f"storage {redact_url(u)!r} must be node-local (file://...); put object "
+                                 f"stores in shared_storage=")
             if "://" not in u and not u.startswith("/"):
-                raise ValueError(f"storage {u!r} must be an absolute path or a file:// URL: a relative "
+                raise ValueError(f"storage {redact_url(u)!r} must be an absolute path or a file:// URL: a relative "
                                  f"path resolves differently in each Ray worker")
         if not _RUN_NAME.match(self.run_name or ""):
             raise ValueError(f"run_name {self.run_name!r} must be 1-100 letters, digits, '.', '_' or '-' "

@@ -335,7 +335,7 @@ class Controller:
         return FitResult(
             final_step=self.step_now, steps=self.executed, failures=self.num_failures,
             failure_stats=tuple(self.failures),
-            overhead=self._stall_s / self._running_s if self._running_s > 0 else 0.0,
+            stall_share=self._stall_s / self._running_s if self._running_s > 0 else 0.0,
             checkpoint=self._final_url, value=value, wall_s=self.clock() - self._t0,
             event_log=self.events.path, world_sizes=tuple(self._world_sizes),
         )

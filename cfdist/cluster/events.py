@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Callable
 
+from cfdist.storage.redact import redact
+
 Listener = Callable[[dict], None]
 
 
@@ -57,10 +59,11 @@ class EventLog:
             t = self._clock() if t is None else t
             t = max(t, self._last_t)
             self._last_t = t
-            rec = {"t": round(t, 6), "event": event, **fields}
+            rec = {"t": round(t, 6), "event": event,
+                   **{k: redact(v) if isinstance(v, str) else v for k, v in fields.items()}}
             self.records.append(rec)
             if self._f is not None:
-                self._f.write(json.dumps(rec, default=str) + "\n")
+                self._f.write(redact(json.dumps(rec, default=str)) + "\n")   # nested values too
                 self._f.flush()
         for fn in self._listeners:
             try:

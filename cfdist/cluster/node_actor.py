@@ -141,7 +141,7 @@ class NodeCheckpointer:
         if share:
             self._want_shared(job.step)
         return CommitInfo(step=job.step, url=infos[-1].url, bytes=infos[-1].bytes,
-                          seconds=time.perf_counter() - t0,
+                          bytes_logical=infos[-1].bytes_logical, seconds=time.perf_counter() - t0,
                           deleted=tuple(sorted(set().union(*(i.deleted for i in infos)))))
 
     def _node_tiers(self):

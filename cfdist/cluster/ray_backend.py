@@ -143,11 +143,12 @@ class RayBackend:
             except ray.exceptions.RayError:
                 self._forget(nid)
         from cfdist.storage import open_storages   # no actor left: the driver lists it itself
+        from cfdist.storage.redact import redact, redact_url
 
         try:
             return committed_steps(open_storages(self.config.shared_url(), **(self.config.storage_options or {}))[0])
         except OSError as e:
-            log.warning("cannot list the shared tier %s: %s", self.config.shared_url(), e)
+            log.warning("cannot list the shared tier %s: %s", redact_url(self.config.shared_url()), redact(e))
             return []
 
     def stage(self, choice: RestoreChoice, nodes: list[NodeInfo]) -> dict:

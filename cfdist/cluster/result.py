@@ -47,8 +47,10 @@ class FitResult:
     failures: int
     """Failures tolerated."""
     failure_stats: tuple[FailureStats, ...] = ()
-    overhead: float = 0.0
-    """Checkpoint stall time / training time on rank 0 (0.02 = 2%)."""
+    stall_share: float = 0.0
+    """Rank 0's checkpoint stall as a share of its running time (0.02 = 2%): cfdist's own account
+    of the waits inside ``ckpt.step``. Not the runtime overhead (it leaves out what the background
+    copy and persist take from training): ``cfdist bench`` measures that from the outside."""
     checkpoint: str | None = None
     """URL of the final checkpoint (shared tier when configured, else node 0's local tier)."""
     value: Any = None
@@ -58,6 +60,15 @@ class FitResult:
     world_sizes: tuple[int, ...] = ()
     """World size of each attempt, in order (elastic runs change it)."""
     extra: dict = field(default_factory=dict)
+
+    @property
+    def overhead(self) -> float:
+        """Deprecated name of :attr:`stall_share` (it is not the runtime overhead)."""
+        import warnings
+
+        warnings.warn("FitResult.overhead is rank 0's stall share, now named FitResult.stall_share; "
+                      "the runtime overhead is measured by `cfdist bench`", DeprecationWarning, stacklevel=2)
+        return self.stall_share
 
     @property
     def lost_iterations(self) -> list[int]:

@@ -11,9 +11,9 @@ Call from a node actor (any thread); nothing here talks to Ray.
 
 from __future__ import annotations
 
-from cfdist.checkpoint import retention
+from cfdist.checkpoint import rejected, retention
 from cfdist.checkpoint.discovery import committed_steps, copy_checkpoint, read_manifest
-from cfdist.checkpoint.format import MANIFEST, step_dir
+from cfdist.checkpoint.format import MANIFEST, CheckpointError, step_dir
 from cfdist.storage import Storage
 
 Frozen = list[dict[str, bytes]]
@@ -47,13 +47,14 @@ def freeze(storages: list[Storage], step: int) -> Frozen:
 
     Raises ``CheckpointError``/``FileNotFoundError`` if the step is not (or no longer) committed.
     """
-    m = read_manifest(storages, step)
-    d = step_dir(step)
     out: Frozen = [{} for _ in storages]
-    out[0][f"{d}/{MANIFEST}"] = storages[0].read_bytes(f"{d}/{MANIFEST}")
-    for sh in m["shards"]:
-        rel = f"{d}/{sh['file']}"
-        out[sh["root"]][rel] = storages[sh["root"]].read_bytes(rel)
+    m = read_manifest(storages, step)
+    for s in [step] + [d[0] for d in m.get("depends_on", ())]:   # a codec chain travels whole
+        d = step_dir(s)
+        out[0][f"{d}/{MANIFEST}"] = storages[0].read_bytes(f"{d}/{MANIFEST}")
+        for sh in (m if s == step else read_manifest(storages, s))["shards"]:
+            rel = f"{d}/{sh['file']}"
+            out[sh["root"]][rel] = storages[sh["root"]].read_bytes(rel)
     return out
 
 
@@ -61,17 +62,27 @@ def nbytes(frozen: Frozen) -> int:
     return sum(len(b) for root in frozen for b in root.values())
 
 
+def _sums(m: dict) -> dict:
+    return {k: t.get("xxh3") for k, t in m["tensors"].items()}
+
+
 def commit_frozen(frozen: Frozen, step: int, dst: list[Storage], *, source: str, keep: int) -> bool:
     """Commit a frozen checkpoint into ``dst`` (blocking); then apply retention there.
 
-    Returns False (and writes nothing) when ``dst`` already holds ``step`` committed. A
-    leftover uncommitted directory of the same step is removed first.
+    Returns False (and writes nothing) when ``dst`` already holds this very checkpoint. A
+    different checkpoint of the same step there (from a run that rolled back past it) is moved
+    aside to ``rejected/``; a leftover uncommitted directory of the same step is removed.
     """
     if step in committed_steps(dst[0]):
-        return False
-    for st in dst:
-        if st.exists(step_dir(step)):
-            st.remove(step_dir(step))
+        try:
+            here = read_manifest(dst, step)
+        except CheckpointError:
+            here = None
+        there = read_manifest([FrozenRoot(f, f"{source}#root{i}") for i, f in enumerate(frozen)], step)
+        if here is not None and (here.get("time"), _sums(here)) == (there.get("time"), _sums(there)):
+            return False
+    rejected.clear_for_commit(dst, step, why=f"a different checkpoint of step {step} arrived from {source} "
+                                             f"(the run rolled back past this one)")
     copy_checkpoint([FrozenRoot(f, f"{source}#root{i}") for i, f in enumerate(frozen)], step, dst)
     retention.apply(dst, keep=keep, keep_epoch_ends=False, newest=step, newest_epoch_end=False)
     return True

@@ -87,6 +87,10 @@ class Auto:
     Config = AutoConfig
 
     def __init__(self, max_overhead: float = 0.035, mtbf_s: float | None = None, **kwargs):
+        gone = sorted(set(kwargs) & {"sync", "unsynced_k"})
+        if gone:
+            raise TypeError(f"Auto({gone[0]}=...) no longer exists: ranks now agree on k through the "
+                            f"c10d Store, with any comm hook and without DDP; remove the argument")
         self.config = AutoConfig(max_overhead=max_overhead, mtbf_s=mtbf_s, **kwargs)
         self.k: int | None = None
         self.mode: str = "cpu"

@@ -11,7 +11,9 @@ collapse the ``//`` of ``s3://``). The checkpoint layer needs only these verbs:
 * ``staging_dir(final)`` / ``publish(staging, final)`` - the atomic commit of a directory:
   a rename locally (``atomic_rename=True``), and on object stores the files are written under
   their final prefix and the manifest PUT written last is the commit marker;
-* ``remove(rel)`` - recursive, tolerant of missing paths.
+* ``remove(rel)`` - recursive, tolerant of missing paths;
+* ``move(src, dst)`` / ``copy(src, dst)`` - set a directory (a file) aside under another name;
+* ``child(rel)`` - the Storage rooted at a subdirectory (same filesystem, same options).
 
 Errors: a path that escapes the root raises ``ValueError``; a missing file raises
 ``FileNotFoundError``; every other failure raises :class:`StorageError` (an ``OSError`` that keeps
@@ -100,6 +102,7 @@ class Storage:
         self.protocol = protocol
         self.is_local = protocol in ("file", "local")
         self.atomic_rename = protocol not in _NO_ATOMIC_RENAME and not self._is_object_like(fs)
+        self._secrets: frozenset[str] = frozenset()   # set by open_storage; scrubbed from messages
         # Object stores create nothing at open time: check the bucket on first use instead.
         self._root_checked = self.atomic_rename
 
@@ -137,6 +140,10 @@ class Storage:
         done = f" after {after} bytes" if after is not None else ""
         hint = _HINTS.get(code) if isinstance(code, int) else None
         msg = f"{doing} {self.url_of(rel)} failed{done}: {reason}" + (f"; {hint}" if hint else "")
+        if getattr(self, "_secrets", None) or "@" in msg:
+            from cfdist.storage.redact import redact
+
+            msg = redact(msg, getattr(self, "_secrets", frozenset()))   # a backend's message may quote one
         return StorageError(code, msg) if isinstance(code, int) else StorageError(msg)
 
     def _ready(self) -> None:
@@ -392,6 +399,57 @@ class Storage:
         prefix = path.rstrip("/") + "/"
         names = {e.rstrip("/")[len(prefix):] for e in entries if e.startswith(prefix)}
         return sorted(n for n in names if n and "/" not in n)
+
+    def move(self, src: str, dst: str) -> None:
+        """Rename file or directory ``src`` to ``dst`` (parents created; ``dst`` must not exist).
+
+        Atomic where rename is (local, ``memory://``): a rename, then fsync of both parents. On
+        object stores every object is copied, then the source deleted (not atomic: a crash can
+        leave both; callers order their moves so that either is safe). Blocks.
+        """
+        self.path(src), self.path(dst)  # reject escapes before touching anything
+        if self.exists(dst):
+            raise self._error("moving to", dst, FileExistsError(_errno.EEXIST, f"{self.url_of(dst)} already exists"))
+        parent = posixpath.dirname(dst.strip("/"))
+        try:
+            if self.is_local:
+                os.makedirs(self.path(parent), exist_ok=True)
+                os.rename(self.path(src), self.path(dst))
+            elif self.atomic_rename:
+                self.fs.makedirs(self.path(parent), exist_ok=True)
+                self.fs.mv(self.path(src), self.path(dst), recursive=True)
+            else:
+                self.fs.copy(self._remote(src), self._remote(dst), recursive=True)
+                self.fs.rm(self._remote(src), recursive=True)
+        except FileNotFoundError:
+            raise
+        except _backend_errors() as e:
+            raise self._error("moving", f"{src} to {self.url_of(dst)}", e) from e
+        self.fsync_dir(parent)
+        self.fsync_dir(posixpath.dirname(src.strip("/")))
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy file ``src`` to ``dst`` (replacing it) on the same storage, server-side where the
+        backend can. For setting checkpoints aside on object stores; blocks."""
+        try:
+            if self.is_local:
+                os.makedirs(os.path.dirname(self.path(dst)), exist_ok=True)
+                shutil.copyfile(self.path(src), self.path(dst))
+            else:
+                self.fs.copy(self._remote(src), self._remote(dst))
+        except FileNotFoundError:
+            raise
+        except _backend_errors() as e:
+            raise self._error("copying", f"{src} to {self.url_of(dst)}", e) from e
+
+    def child(self, rel: str) -> "Storage":
+        """The Storage rooted at directory ``rel`` of this one (same filesystem and options).
+
+        Wrappers (faults, throttling) do not carry over to the child.
+        """
+        st = Storage(self.url_of(rel), self.fs, self.path(rel), self.protocol)
+        st.__dict__.update({k: v for k, v in self.__dict__.items() if k == "_secrets"})
+        return st
 
     def remove(self, rel: str) -> None:
         """Delete a file or a directory tree; a missing path is not an error."""

@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Iterator
 
 from cfdist.storage.base import Storage
 
-__all__ = ["StorageWrapper", "ThrottledStorage", "FaultyStorage", "throttle", "faulty"]
+__all__ = ["StorageWrapper", "ThrottledStorage", "FaultyStorage", "FlakyStorage", "throttle", "faulty", "flaky"]
 
 
 class StorageWrapper(Storage):
@@ -348,3 +348,53 @@ def faulty(storage: Storage, *, fail_after_bytes: int | None = None, fail_every_
     """``storage`` with injected failures; see :class:`FaultyStorage`. One process only."""
     return FaultyStorage(storage, fail_after_bytes=fail_after_bytes, fail_every_n_writes=fail_every_n_writes,
                          fail_every_n_reads=fail_every_n_reads, errno=errno)
+
+
+# ---- transient read errors (a flaky NFS mount, an object store's 503) ----------------------------
+class FlakyStorage(StorageWrapper):
+    """The first ``failures`` calls of ``verbs`` on paths matching ``match`` fail, then all pass.
+
+    ``match`` is an ``fnmatch`` pattern on the path relative to the root (``"step-000000040/*"``,
+    ``"*.safetensors"``, ``""`` for the root's own listing). ``verbs`` default to the reads
+    (``read_bytes``, ``open_read``); add ``"listdir"``/``"exists"`` for listings. Each failure is a
+    :class:`~cfdist.storage.base.StorageError` with ``errno`` (default EIO), like a real one.
+    ``failures=None`` fails forever (until :meth:`heal`). ``injected`` counts the failures;
+    ``calls`` every matching call. Thread-safe within one process.
+    """
+
+    def __init__(self, inner: Storage, *, match: str = "*", failures: int | None = 1,
+                 verbs: tuple[str, ...] = _READS, errno: int = _errno.EIO):
+        super().__init__(inner)
+        if failures is not None and failures < 0:
+            raise ValueError(f"flaky(failures={failures}): must be >= 0, or None for every call")
+        self.match, self.failures, self.verbs, self.errno = match, failures, tuple(verbs), errno
+        self.injected = 0
+        self.calls = 0
+        self.healed = False
+
+    def heal(self) -> None:
+        """Every later call passes."""
+        with self._lock:
+            self.healed = True
+
+    def _before(self, verb: str, rel: str) -> None:
+        import fnmatch
+
+        if verb not in self.verbs or not fnmatch.fnmatchcase(rel.strip("/"), self.match):
+            return
+        with self._lock:
+            self.calls += 1
+            fail = not self.healed and (self.failures is None or self.injected < self.failures)
+            if fail:
+                self.injected += 1
+                k = self.injected
+        if fail:
+            e = OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.storage.faults.flaky: "
+                                    f"failure {k} of {self.failures} on {self.match!r})")
+            raise self._error(verb.replace("_", " "), rel, e) from e
+
+
+def flaky(storage: Storage, *, match: str = "*", failures: int | None = 1, verbs: tuple[str, ...] = _READS,
+          errno: int = _errno.EIO) -> FlakyStorage:
+    """``storage`` whose first ``failures`` matching calls fail; see :class:`FlakyStorage`."""
+    return FlakyStorage(storage, match=match, failures=failures, verbs=verbs, errno=errno)

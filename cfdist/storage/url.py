@@ -17,6 +17,7 @@ import posixpath
 import fsspec
 from fsspec.registry import known_implementations, registry
 
+from cfdist.storage import redact as _redact
 from cfdist.storage.base import Storage, StorageError
 
 # scheme -> the pip package that provides it (for the error message)
@@ -34,7 +35,7 @@ def _split(url: str) -> tuple[str, str]:
         path = os.path.expanduser(url)
         if not path.startswith("/"):
             raise ValueError(
-                f"storage {url!r} is a relative path: it would resolve differently in each "
+                f"storage {_redact.redact_url(url)!r} is a relative path: it would resolve differently in each "
                 f"process's working directory; give an absolute path or a URL such as {_EXAMPLES}"
             )
         return "file", posixpath.normpath(path)
@@ -43,8 +44,8 @@ def _split(url: str) -> tuple[str, str]:
     if scheme in ("file", "local"):
         if not rest.startswith("/"):
             raise ValueError(
-                f"storage {url!r} names a relative local path {rest!r}: write it with three "
-                f"slashes and an absolute path, e.g. 'file:///abs/{rest}'"
+                f"storage {_redact.redact_url(url)!r} names a relative local path: write it with three "
+                f"slashes and an absolute path, e.g. 'file:///abs/{_redact.redact(rest)}'"
             )
         return "file", posixpath.normpath(rest)
     return scheme, rest
@@ -78,21 +79,32 @@ def open_storage(url: str | Storage, **storage_options) -> Storage:
     ``ImportError`` naming the package to install when the scheme's fsspec implementation is
     missing. ``storage_options`` go to the fsspec filesystem (credentials, ``client_kwargs``,
     …); they are never written anywhere. Credentials may also come from the environment
-    (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL_S3``, …). A :class:`Storage` passes through.
+    (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL_S3``, …), or from the URL
+    (``s3://KEY:SECRET@bucket/run``: moved into ``key``/``secret``); ``Storage.url`` never holds
+    them, and every secret is scrubbed from messages (:mod:`cfdist.storage.redact`). A
+    :class:`Storage` passes through.
     """
     if isinstance(url, Storage):
         return url
     if not isinstance(url, str):
-        raise TypeError(f"storage must be a URL string, got {type(url).__name__}: {url!r}")
+        raise TypeError(f"storage must be a URL string, got {type(url).__name__}: {_redact.redact_url(repr(url))}")
+    secrets = _redact.secrets_in(storage_options)
     scheme, rest = _split(url)
-    cls = _filesystem_class(url, scheme)
+    url, from_url = _redact.split_credentials(scheme, url)
+    if from_url:
+        secrets |= {from_url["secret"], from_url["key"]}
+        storage_options = {**from_url, **storage_options}
+        scheme, rest = _split(url)
+    _redact.register(secrets)
+    shown = _redact.redact_url(url)
+    cls = _filesystem_class(shown, scheme)
     try:
         fs = cls(**storage_options)
     except Exception as e:  # noqa: BLE001 - option errors come in each backend's own types
         raise ValueError(
-            f"could not open the filesystem for {url!r} with options {sorted(storage_options)}: "
-            f"{type(e).__name__}: {e}; check storage_options"
-        ) from e
+            f"could not open the filesystem for {shown!r} with options {sorted(storage_options)}: "
+            f"{type(e).__name__}: {_redact.redact(e)}; check storage_options"
+        ) from None
     if scheme == "file":
         root = rest
         canon = f"file://{root}"
@@ -100,13 +112,14 @@ def open_storage(url: str | Storage, **storage_options) -> Storage:
         root = cls._strip_protocol(url)
         if scheme == "memory" and not root.startswith("/"):
             root = "/" + root
-        canon = url.rstrip("/")
+        canon = shown.rstrip("/")
     st = Storage(canon, fs, root, scheme)
+    st._secrets = frozenset(secrets)
     try:
         st.makedirs("")
     except StorageError as e:
         raise StorageError(
-            e.errno, f"storage {url!r} cannot be used: its root cannot be created ({e.strerror or e})"
+            e.errno, f"storage {shown!r} cannot be used: its root cannot be created ({e.strerror or e})"
         ) from e
     return st
 

@@ -32,7 +32,7 @@ from cfdist.storage import open_storage
 from cfdist.storage.faults import throttle
 
 STEPS_FAST, STEPS_SLOW = 50, 90
-PLAIN_STEPS = 32
+PLAIN_STEPS = 40
 
 
 class RecordingAuto(Auto):

@@ -8,7 +8,8 @@ abandoned after its checkpoint committed, as a killed job leaves them). The poin
 run ends with the uninterrupted run's parameters bit for bit; each rank's restored RNG equals
 the state it had at the checkpoint, and the ranks' states differ; the manifest holds every
 rank's; a rank that never hands its RNG over stops the checkpoint from committing, with an error
-naming the missing key.
+naming the missing key; a save requested on one rank only is taken by every rank at the same
+step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
-from cfdist.checkpoint.agreement import AgreementError
 from cfdist.checkpoint.format import MANIFEST, step_dir
 
 WORLD = 3
@@ -39,7 +39,7 @@ def _seed_rank(rank):
     random.seed(30 + rank)
 
 
-def _setup(rank, url, **kw):
+def _setup(rank, url, every=EVERY, **kw):
     torch.manual_seed(0)   # the same initial weights everywhere (DDP broadcasts them anyway)
     # find_unused_parameters=True keeps DDP's construction-time bucket layout: by default DDP
     # re-lays its flat gradient buffer after its first backward, and on 3 ranks gloo's ring then
@@ -49,7 +49,7 @@ def _setup(rank, url, **kw):
                 find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     _seed_rank(rank)
-    return model, opt, cfdist.Checkpointer({"model": model, "opt": opt}, url, cfdist.Every(EVERY), keep=2, **kw)
+    return model, opt, cfdist.Checkpointer({"model": model, "opt": opt}, url, cfdist.Every(every), keep=2, **kw)
 
 
 def _train(model, opt, ckpt, rank, until, on_step=None):
@@ -104,9 +104,15 @@ def _worker(rank, port, root, out):
         try:
             ckpt.wait()
             res["missing_error"] = None
-        except AgreementError as e:
+        except cfdist.AgreementError as e:
             res["missing_error"] = str(e)
         ckpt.close()
+
+        # ---- a notice reaching rank 2 only: every rank checkpoints the same step --------------
+        model, opt, ckpt = _setup(rank, f"file://{root}/notice", every=1000, lookahead=2)
+        _train(model, opt, ckpt, rank, 10, on_step=lambda s: ckpt.request_save() if rank == 2 and s == 2 else None)
+        ckpt.close()
+        res["notice_checkpoints"] = ckpt.stats["checkpoints"] if rank == 0 else None
     finally:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
@@ -132,3 +138,10 @@ def test_each_rank_resumes_its_own_rng_and_the_run_ends_bit_exact(tmp_path):
     assert err is not None and "rank 0 waited 3 s for the RNG states of step 2" in err and "rng/2/2" in err
     assert "call ckpt.save() on every rank" in err
     assert cfdist.list_checkpoints(f"file://{tmp_path}/missing") == []   # nothing committed
+
+    # requested after step 2 on rank 2; rank 0 cannot finish step 3's backward before that, so at
+    # its window start 3 it sees the request and schedules the next window's first step, 5
+    (notice,) = cfdist.list_checkpoints(f"file://{tmp_path}/notice")
+    assert notice["step"] == 5 and rs[0]["notice_checkpoints"] == 1
+    m = json.loads((tmp_path / "notice" / step_dir(5) / MANIFEST).read_text())
+    assert len(m["rngs"]) == WORLD   # every rank took it: every rank's RNG is in it

@@ -316,6 +316,12 @@ def test_auto_config_validation_says_how_to_fix(kw, msg):
         AutoConfig(**kw)
 
 
+@pytest.mark.parametrize("kw", [dict(sync=False), dict(unsynced_k=7)])
+def test_the_removed_carrier_options_say_what_replaced_them(kw):
+    with pytest.raises(TypeError, match="agree on k through the c10d Store"):
+        Auto(**kw)
+
+
 def test_epoch_end_checkpoints_and_resets_the_interval():
     p = Auto(profile_steps=10)
     p.bind(PolicyContext(state_bytes=1000))

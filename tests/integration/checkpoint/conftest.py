@@ -152,3 +152,23 @@ def train():
             opt.zero_grad()
 
     return run
+
+
+@pytest.fixture
+def committed_run(tmp_path, mlp_state, train):
+    """``committed_run(every, n)``: ``(url, root)`` of a ``file://`` run of ``n`` steps of the small
+    MLP (``mlp_state()``, ``train``) with ``Every(every)`` and ``keep=2``: steps ``n - every`` and
+    ``n`` are committed."""
+    import cfdist
+
+    def make(every: int, n: int):
+        root = tmp_path / "ckpt"
+        url = f"file://{root}"
+        model, opt, sched = mlp_state()
+        ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(every), keep=2)
+        train(model, opt, ckpt, n, sched)
+        ckpt.close()
+        assert [c["step"] for c in cfdist.list_checkpoints(url)] == [n - every, n]
+        return url, root
+
+    return make

@@ -22,16 +22,9 @@ SHARD = "shard-00000-of-00001.safetensors"
 
 
 @pytest.fixture
-def ckpts(tmp_path, mlp_state, train):
+def ckpts(committed_run):
     """``(url, root)`` holding committed steps 2 and 4 of a small MLP/Adam/StepLR run."""
-    root = tmp_path / "ckpt"
-    url = f"file://{root}"
-    model, opt, sched = mlp_state()
-    ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(2), keep=2)
-    train(model, opt, ckpt, 4, sched)
-    ckpt.close()
-    assert [c["step"] for c in cfdist.list_checkpoints(url)] == [2, 4]
-    return url, root
+    return committed_run(2, 4)
 
 
 def restore_fresh(url, mlp_state, **kw):
@@ -136,7 +129,8 @@ def test_manifest_naming_a_path_outside_its_directory_is_refused(ckpts, mlp_stat
         step, warned, model, _ = restore_fresh(url, mlp_state)
     assert step == 2 and len(warned) == 1 and "unsafe" in warned[0]
     assert_model_is_step(model, url, 2)
-    assert all(r.startswith(step_dir(2) + "/") or r.startswith(step_dir(4) + "/" + MANIFEST) or r == "history.json"
+    assert all(r.startswith(step_dir(2) + "/") or r.startswith(step_dir(4) + "/" + MANIFEST)
+               or r in ("history.json", "STRIPE.json")
                for r in reads), reads
     assert planted.stat().st_mtime_ns == before.st_mtime_ns and planted.stat().st_atime_ns == before.st_atime_ns
 
@@ -239,3 +233,42 @@ def test_a_flipped_small_value_in_the_manifest_fails_its_checksum(ckpts, mlp_sta
     step, warned, model, _ = restore_fresh(url, mlp_state)
     assert step == 2 and len(warned) == 1 and "manifest failed its checksum" in warned[0], warned
     assert_model_is_step(model, url, 2)
+
+
+@pytest.mark.parametrize("what", ["shard->/etc/passwd", "shard->outside copy", "manifest->outside copy", "step dir"])
+def test_symlinks_out_of_the_checkpoint_directory_are_refused(ckpts, mlp_state, train, tmp_path, what):
+    """A shard, manifest or step directory that is a symlink leading outside its checkpoint
+    directory is refused, even when its target is a perfectly valid file.
+
+    Real: restore, ``cfdist.load`` and retention on real files and symlinks. Faked: the
+    planted symlinks (to /etc/passwd, or to an exact copy of the original placed outside).
+    The point: ``CheckpointError`` naming the link and where it resolves; restore falls back to
+    step 2; after training on, the link target outside is unchanged (nothing written through it).
+    """
+    url, root = ckpts
+    d4 = root / step_dir(4)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if what == "step dir":
+        target = outside / step_dir(4)
+        d4.rename(target)
+        d4.symlink_to(target, target_is_directory=True)
+        watched = target / SHARD
+    else:
+        name = SHARD if what.startswith("shard") else MANIFEST
+        if what == "shard->/etc/passwd":
+            target = pathlib.Path("/etc/passwd")
+        else:
+            target = outside / name
+            target.write_bytes((d4 / name).read_bytes())
+        (d4 / name).unlink()
+        (d4 / name).symlink_to(target)
+        watched = target
+    before = watched.read_bytes()
+    with pytest.raises(CheckpointError, match="outside its checkpoint directory"):
+        cfdist.load(url, step=4)
+    step, warned, model, ckpt = restore_fresh(url, mlp_state)
+    assert step == 2 and len(warned) == 1 and "outside its checkpoint directory" in warned[0]
+    train(model, ckpt.state["optim"], ckpt, 2, ckpt.state["sched"])
+    ckpt.close()
+    assert watched.read_bytes() == before

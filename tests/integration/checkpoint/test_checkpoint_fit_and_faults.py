@@ -166,5 +166,5 @@ def test_disk_full_during_persist_keeps_training_and_the_previous_checkpoint(tmp
     fresh = cfdist.Checkpointer(dict(zip(("model", "optim", "sched"), mlp_state(seed=1))), f"file://{root}",
                                 cfdist.Every(2))
     assert fresh.restore() == 6
-    assert sorted(p.name for p in root.iterdir()) == ["history.json", "step-000000006"]
+    assert sorted(p.name for p in root.iterdir()) == ["STRIPE.json", "history.json", "step-000000006"]
     fresh.close()

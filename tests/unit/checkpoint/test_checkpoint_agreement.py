@@ -56,16 +56,16 @@ def test_one_process_applies_at_once_without_a_store():
 
 
 def test_a_rank_waiting_for_rank_0_names_itself_and_the_key():
-    ranks = _ranks(2, lookahead=2, timeout_s=0.5)
+    ranks = _ranks(2, lookahead=2, timeout_s=0.2)
     ranks[1].at_step(1, lambda: 0)   # window 0: nothing to read
     ranks[1].at_step(2, lambda: 0)
-    with pytest.raises(AgreementError, match=r"rank 1 waited 0.5 s for rank 0's checkpoint interval .*k/1"):
+    with pytest.raises(AgreementError, match=r"rank 1 waited 0.2 s for rank 0's checkpoint interval .*k/1"):
         ranks[1].at_step(3, lambda: 0)   # rank 0 never published window 1
 
 
 def test_rng_exchange_collects_every_rank_and_cleans_up():
     store = dist.HashStore()
-    chans = [Channel(store, rank=r, world_size=3, timeout_s=1.0) for r in range(3)]
+    chans = [Channel(store, rank=r, world_size=3, timeout_s=0.2) for r in range(3)]
     ex = [RngExchange(c, writer=(r in (0, 2))) for r, c in enumerate(chans)]   # two writers
     for r in range(3):
         ex[r].publish(8, {"r": r})
@@ -117,3 +117,38 @@ def test_old_manifests_with_one_rng_still_load():
     assert torch.equal(st.rank_rng_state(single, 1, where="t")["torch"], st.derived_rng_state(6, 1, 4)["torch"])
     with pytest.raises(cfdist.CheckpointError, match="RNG states are malformed"):
         st.rank_rng_state({"step": 4, "rngs": [{"torch": 3}], "world_size": 2}, 1, where="t")
+
+
+def test_a_storage_error_on_one_rank_stops_every_rank_instead_of_rolling_back():
+    """Transient is not corrupt, across ranks: rank 1's storage stays down while reading step 40
+    (StorageUnavailable after its retries). Faked: that error. The point: no rank moves on to
+    step 35; rank 1 raises its StorageUnavailable, rank 0 a CheckpointError naming rank 1 and 40."""
+    import threading
+
+    from cfdist.checkpoint.format import CheckpointError
+    from cfdist.checkpoint.retry import StorageUnavailable
+
+    store = dist.HashStore()
+    tried = {0: [], 1: []}
+    out = {}
+
+    def run(r):
+        def try_load(step):
+            tried[r].append(step)
+            if r == 1:
+                raise StorageUnavailable(5, f"reading step {step} from file:///x failed 4 time(s)")
+            return None
+        try:
+            out[r] = agree_restore(Channel(store, rank=r, world_size=2, timeout_s=10), held=[35, 40], want=None,
+                                   try_load=try_load, call=1)
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert isinstance(out[1], StorageUnavailable)
+    assert isinstance(out[0], CheckpointError) and "rank 1 cannot restore step 40" in str(out[0])
+    assert tried == {0: [40], 1: [40]}

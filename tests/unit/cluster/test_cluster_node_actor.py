@@ -134,3 +134,30 @@ def test_a_replaced_attempt_cannot_persist(actors):
         ck.wait()
     ck.close()
     assert a.holdings()["memory"] == []
+
+
+@pytest.mark.parametrize("shared", ["file"], indirect=True)
+def test_the_actor_encodes_and_a_chain_travels_whole_to_shared_storage_and_peers(actors, shared):
+    """Codecs run in the actor (the job carries them, not the training process); an increment
+    copied to the shared tier or to a peer brings the checkpoints it depends on."""
+    a, b = actors
+    a.begin_attempt(0, shared_writer=True)
+    tiers = a.ready()
+    m, opt = _state()
+    with torch.no_grad():
+        m.weight.zero_()
+    ck = cfdist.Checkpointer({"model": m}, tiers["memory"], cfdist.Every(1), writer=True, backend=InProcess(a),
+                             codecs=[cfdist.codecs.Incremental(full_every=None)])
+    for i in range(4):          # one row changes per step: every checkpoint after the first is an increment
+        with torch.no_grad():
+            m.weight[i] += 1
+        ck.step()
+    ck.close()
+    assert a.holdings()["memory"] == [1, 4] and a.holdings()["local"] == [1, 4]    # 4 needs 1
+    assert a.flush_shared(4) == 4 and "step-000000001" in open_storages(tiers["shared"])[0].listdir("")
+    loaded = cfdist.load(tiers["shared"], 4)["state"]["model"]
+    assert torch.equal(loaded["weight"], m.weight.detach())
+    assert transfer.commit_frozen(a.export(4), 4, open_storages(b.ready()["memory"]), source="peer A", keep=1)
+    assert b.holdings()["memory"] == [1, 4]
+    assert torch.equal(cfdist.load(b.ready()["memory"], 4)["state"]["model"]["weight"], m.weight.detach())
+

@@ -1,0 +1,474 @@
+"""From ``results.json`` to figures: the analysis (pure), ``report.md``, PNG plots, the README table.
+
+Every figure is a ratio to a baseline measured in the same run: stall per checkpoint to DCP's
+best configuration, CPU seconds to a memcpy + raw write of the same bytes, wall time to the
+no-checkpoint runs, persist bandwidth to the disk's raw write + fsync, restore to ``torch.load``
+and DCP ``load``. Medians with min-max over the interleaved rounds; every run stays in the JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+
+from cfdist.benchmarks import measure
+from cfdist.benchmarks.methods import DCP, PEERS
+
+TARGETS = {
+    "stall": "stall per checkpoint (outside) <= 1/5 of DCP's best configuration, every workload",
+    "overhead": "wall overhead at k=5 on the MLP <= 10% and below every peer",
+    "auto": "wall overhead <= 3.5% at the k Auto picks for a 3.5% budget",
+    "cpu": "CPU-seconds per checkpoint <= 1.5x (memcpy + raw write) of the bytes",
+    "persist": "persist >= 90% of the disk's raw write + fsync bandwidth, one root",
+}
+BEGIN, END = "<!-- cfdist-bench:begin -->", "<!-- cfdist-bench:end -->"
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+# ---- analysis ---------------------------------------------------------------------------------------
+
+def analyze_block(block: dict, cpu_ref_per_byte: float | None = None) -> dict:
+    """Per method: stall per checkpoint, CPU per checkpoint, wall overhead, with their spreads."""
+    runs = block["runs"]
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["method"], []).append(r)
+    none = by.get("none", [])
+    state_bytes = next((r["state_bytes"] for r in none if "state_bytes" in r), None)
+    base_walls = [r["wall_s"] for r in none]
+    none_cpu = {r["repeat"]: r["cpu_s"] for r in none}
+    out = {"name": block["block"]["name"], "workload": block["block"]["workload"],
+           "state_mb": block["block"]["state_mb"], "world": block["block"]["world"], "k": block["block"]["k"],
+           "describe": block.get("info", {}).get("describe"), "state_bytes": state_bytes,
+           "steps": block["block"].get("steps"),
+           "phase_s": _med([statistics.median(r["phases"]) for r in none]), "methods": {}}
+    for m, rs in by.items():
+        stalls = [measure.outside_stall(r["phases"], r["checkpoints"]) for r in rs if r["checkpoints"]]
+        cpu = [(r["cpu_s"] - none_cpu.get(r["repeat"], _med(list(none_cpu.values())))) / r["checkpoints"]
+               for r in rs if r["checkpoints"] and none_cpu and m != "none"]
+        d = {"runs": len(rs), "checkpoints": _med([r["checkpoints"] for r in rs]),
+             "stall_s": measure.spread(stalls), "cpu_s": measure.spread(cpu),
+             "errors": sum((r.get("stats") or {}).get("errors") or 0 for r in rs),
+             "k": _med([(r.get("stats") or {}).get("k") for r in rs]) if m.startswith("cfdist") else block["block"]["k"]}
+        if base_walls:
+            d["overhead"] = measure.overhead([r["wall_s"] for r in rs], base_walls)
+        if cpu_ref_per_byte and state_bytes and cpu:
+            d["cpu_ratio"] = d["cpu_s"]["median"] / (cpu_ref_per_byte * state_bytes)
+        st = [r.get("stats") or {} for r in rs]
+        if any(s.get("mean_snapshot_s") for s in st):
+            d["snapshot_s"] = _med([s["mean_snapshot_s"] for s in st if s.get("mean_snapshot_s")])
+        if any(s.get("mean_persist_s") for s in st):
+            d["persist_mb_s"] = _med([s["bytes"] / s["mean_persist_s"] / 1e6 for s in st
+                                      if s.get("mean_persist_s") and s.get("bytes")])
+        out["methods"][m] = d
+    dcp = {m: out["methods"][m]["stall_s"]["median"] for m in DCP
+           if m in out["methods"] and out["methods"][m]["stall_s"]["median"] is not None}
+    out["dcp_best"] = min(dcp, key=dcp.get) if dcp else None
+    best = dcp.get(out["dcp_best"])
+    for m, d in out["methods"].items():
+        d["stall_vs_dcp_best"] = measure.ratio(d["stall_s"]["median"], best) if m != "none" else None
+    return out
+
+
+def analyze_micro(micro: dict) -> dict:
+    n = micro["bytes"]
+    raw = [r for r in micro["raw"]]
+    direct = [r for r in micro["direct"] if r and "s" in r]
+    persist = micro["persist"]
+    out = {"bytes": n,
+           "raw_mb_s": measure.spread([n / r["s"] / 1e6 for r in raw]),
+           "direct_mb_s": measure.spread([n / r["s"] / 1e6 for r in direct]) if direct else None,
+           "direct_unsupported": next((r["unsupported"] for r in micro["direct"] if r and "unsupported" in r), None),
+           "persist_mb_s": measure.spread([n / r["commit_s"] / 1e6 for r in persist]),
+           # each round's persist against the raw write just before it (the disk's speed drifts)
+           "persist_vs_raw": measure.spread([r["s"] / p["commit_s"] for r, p in zip(raw, persist)]),
+           "persist_vs_direct": (measure.spread([r["s"] / p["commit_s"] for r, p in zip(micro["direct"], persist)
+                                                 if r and "s" in r]) if direct else None),
+           "memcpy_s": measure.spread([r["s"] for r in micro["memcpy"]]),
+           "snapshot_s": measure.spread([r["s"] for r in micro["snapshot"]]),
+           "snapshot_vs_memcpy": measure.spread([s["s"] / m["s"] for s, m in zip(micro["snapshot"], micro["memcpy"])]),
+           "cpu_s": {k: measure.spread([r["cpu_s"] for r in micro[k] if r and "cpu_s" in r])
+                     for k in ("raw", "direct", "memcpy", "xxh3", "snapshot", "persist") if k in micro},
+           }
+    ref = _med([m["cpu_s"] for m in micro["memcpy"]]) + _med([r["cpu_s"] for r in raw])
+    out["cpu_ref_s"] = ref
+    out["cpu_ref_per_byte"] = ref / n
+    return out
+
+
+def analyze_restore(rest: dict) -> dict:
+    med = {k: _med([r["s"] for r in rest[k]]) for k in ("torch.load", "dcp.load", "cfdist")}
+    return {"bytes": rest["bytes"], "s": {k: measure.spread([r["s"] for r in rest[k]]) for k in med},
+            "cfdist_vs_torch_load": measure.ratio(med["cfdist"], med["torch.load"]),
+            "cfdist_vs_dcp_load": measure.ratio(med["cfdist"], med["dcp.load"])}
+
+
+def analyze(results: dict) -> dict:
+    micro = analyze_micro(results["micro"]) if "micro" in results else None
+    ref = micro["cpu_ref_per_byte"] if micro else None
+    blocks = [analyze_block(b, ref) for b in results["blocks"]]
+    out = {"blocks": blocks, "micro": micro,
+           "restore": analyze_restore(results["restore"]) if "restore" in results else None}
+    out["targets"] = targets(out)
+    return out
+
+
+def _find(blocks, name, workload=None):
+    return [b for b in blocks if b["name"] == name and (workload is None or b["workload"] == workload)]
+
+
+def targets(a: dict) -> list[dict]:
+    """Each target with the measured figure and whether it was met (None: not measured)."""
+    rows = []
+    wl = _find(a["blocks"], "main") + _find(a["blocks"], "workload")
+    ratios = {b["workload"]: b["methods"].get("cfdist", {}).get("stall_vs_dcp_best") for b in wl}
+    worst = max((r for r in ratios.values() if r is not None), default=None)
+    rows.append({"target": TARGETS["stall"], "measured": ", ".join(
+        f"{w} {r:.2f}x" if r is not None else f"{w} n/a" for w, r in ratios.items()),
+        "met": None if worst is None else worst <= 0.2})
+    main = (_find(a["blocks"], "main") or [None])[0]
+    if main and "cfdist" in main["methods"] and "overhead" in main["methods"]["cfdist"]:
+        ov = main["methods"]["cfdist"]["overhead"]
+        peers = {m: main["methods"][m]["overhead"]["median"] for m in PEERS if m in main["methods"]}
+        below = all(ov["median"] < v for v in peers.values())
+        rows.append({"target": TARGETS["overhead"].replace("k=5", f"k={main['k']}"),
+                     "measured": f"{100 * ov['median']:+.1f}% [{100 * ov['min']:+.1f}, {100 * ov['max']:+.1f}] "
+                                 f"(noise {_noise(ov['noise'])}); best peer "
+                                 f"{100 * min(peers.values()):+.1f}%" if peers else "",
+                     "met": ov["median"] <= 0.10 and below, "noisy": measure.is_noisy(ov)})
+        c = main["methods"]["cfdist"].get("cpu_ratio")
+        rows.append({"target": TARGETS["cpu"], "measured": f"{c:.2f}x" if c is not None else "n/a",
+                     "met": None if c is None else c <= 1.5})
+    auto = (_find(a["blocks"], "auto") or [None])[0]
+    if auto and "cfdist.auto" in auto["methods"]:
+        d = auto["methods"]["cfdist.auto"]
+        ov = d.get("overhead") if d["checkpoints"] else None   # no checkpoint in the window: nothing measured
+        rows.append({"target": TARGETS["auto"],
+                     "measured": (f"k={d['k']}, {d['checkpoints']:g} checkpoints per run: {100 * ov['median']:+.1f}% "
+                                  f"(noise {_noise(ov['noise'])})" if ov else
+                                  f"k={d['k']}: no checkpoint inside the {auto['steps']}-step window"),
+                     "met": None if not ov else ov["median"] <= 0.035, "noisy": bool(ov) and measure.is_noisy(ov)})
+    if a["micro"]:
+        p = a["micro"]["persist_vs_raw"]["median"]
+        rows.append({"target": TARGETS["persist"], "measured": f"{100 * p:.0f}% of raw write + fsync",
+                     "met": p >= 0.9})
+    return rows
+
+
+# ---- markdown ---------------------------------------------------------------------------------------
+
+def _noise(x: float | None) -> str:
+    return "unknown (one baseline run)" if x is None else f"{100 * x:.1f}%"
+
+
+def _pct(s: dict | None) -> str:
+    if not s or s.get("median") is None:
+        return "-"
+    return f"{100 * s['median']:+.1f}% [{100 * s['min']:+.1f}, {100 * s['max']:+.1f}]"
+
+
+def _ms(s: dict | None) -> str:
+    if not s or s.get("median") is None:
+        return "-"
+    if s["n"] == 1:
+        return f"{1000 * s['median']:.0f} ms"
+    return f"{1000 * s['median']:.0f} ms [{1000 * s['min']:.0f}-{1000 * s['max']:.0f}]"
+
+
+def _x(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}x"
+
+
+def _met(r: dict) -> str:
+    m = {True: "met", False: "**missed**", None: "not measured"}[r["met"]]
+    return m + (" (noisy)" if r.get("noisy") else "")
+
+
+def targets_table(a: dict) -> list[str]:
+    lines = ["| target | measured | |", "|---|---|---|"]
+    lines += [f"| {r['target']} | {r['measured']} | {_met(r)} |" for r in a["targets"]]
+    return lines
+
+
+def method_table(b: dict) -> list[str]:
+    best = b["dcp_best"]
+    lines = [f"| method | stall per checkpoint (outside) | / DCP best ({best}) | CPU s per checkpoint | "
+             f"/ (memcpy + raw write) | wall overhead, median [min, max] |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for m, d in b["methods"].items():
+        if m == "none":
+            ov = d.get("overhead", {})
+            lines.append(f"| none (baseline) | noise floor {_ms(d['stall_s'])} | | | | "
+                         f"own spread {_noise(ov.get('noise'))} |")
+            continue
+        cpu = d["cpu_s"]["median"]
+        err = f" ({d['errors']} errors)" if d["errors"] else ""
+        ov = d.get("overhead")
+        noisy = " noisy" if ov and measure.is_noisy(ov) else ""
+        name = f"**{m}**" if m == "cfdist" else m
+        lines.append(f"| {name}{err} | {_ms(d['stall_s'])} | {_x(d['stall_vs_dcp_best'], 3)} | "
+                     f"{'-' if cpu is None else f'{cpu:.3f}'} | {_x(d.get('cpu_ratio'))} | {_pct(ov)}{noisy} |")
+    return lines
+
+
+def _block_title(b: dict) -> str:
+    mb = (b["state_bytes"] or 0) / 1e6
+    return (f"{b['describe'] or b['workload']}: {mb:.0f} MB model + Adam state, {b['world']} gloo rank(s), "
+            f"checkpoint every {b['k']} steps, median optimizer phase {1000 * (b['phase_s'] or 0):.0f} ms")
+
+
+def markdown(results: dict, a: dict | None = None) -> str:
+    a = a or analyze(results)
+    mc, fs = results["machine"], results.get("filesystem", {})
+    L = ["# cfdist benchmark report", "",
+         f"Reproduce: `{results['command']}` (mode `{results['config']['mode']}`), started {results['started']}, "
+         f"took {results.get('seconds', 0) / 60:.1f} min.", "",
+         f"Machine: {mc.get('cpu_count')} cores ({mc.get('cpu_model')}), {mc.get('memory_gb')} GB RAM, "
+         f"checkpoints on {fs.get('type')} ({fs.get('device')}, {fs.get('size_gb')} GB"
+         f"{', reported rotational' if fs.get('rotational') else ''}); python {mc.get('python')}, "
+         f"torch {mc.get('torch')}, ray {mc.get('ray')}; {mc.get('platform')}. Load average at start "
+         f"{_load(mc.get('load_avg_start'))}, at end {_load(mc.get('load_avg_end'))}.", ""]
+    if results.get("note"):
+        L += [results["note"], ""]
+    noisy = [f"{b['workload']}/{b['name']} {m}" for b in a["blocks"] for m, d in b["methods"].items()
+             if m != "none" and d.get("overhead") and measure.is_noisy(d["overhead"])]
+    if results.get("skipped"):
+        L += [f"**Not run** (past the `--max-minutes` budget): " + ", ".join(
+            f"{b['name']} {b['workload']} {b['state_mb']:g} MB x{b['world']}" for b in results["skipped"]) + ".", ""]
+    if noisy:
+        L += [f"**Noisy run**: {len(noisy)} wall-overhead figure(s) are within the no-checkpoint runs' own "
+              f"spread ({', '.join(noisy)}); read them as 'not distinguishable from noise'. Stall and CPU "
+              f"figures are per checkpoint and less sensitive to it.", ""]
+    L += ["How it is measured. Every method runs the same training loop (real gloo processes, DDP, "
+          "Adam) and is timed from the outside the same way: each iteration's optimizer phase (the "
+          "step plus any checkpoint work and waits) is timed around the call; the phases' excess over "
+          "the run's median phase, summed and divided by the checkpoints taken, is the stall per "
+          "checkpoint (the slowest rank's phase counts per iteration). The no-checkpoint run's figure "
+          "computed the same way is the noise floor. CPU seconds cover every thread and child process "
+          "of every rank, minus the no-checkpoint run of the same round, per checkpoint. Wall overhead "
+          "compares each run's measured window (after the warm-up, up to the last step; the final "
+          "drain is reported apart) with the median no-checkpoint run; rounds are interleaved. "
+          "A figure marked noisy is no larger than the no-checkpoint runs' own spread.", "",
+          "## Targets", ""] + targets_table(a) + [""]
+    for b in a["blocks"]:
+        if b["name"] in ("main", "workload", "auto"):
+            L += [f"## {b['workload']} ({b['name']})", "", _block_title(b), ""] + method_table(b) + [""]
+            cf = b["methods"].get("cfdist")
+            if cf and cf.get("persist_mb_s"):
+                memcpy = a["micro"]["memcpy_s"]["median"] * (b["state_bytes"] or 0) / a["micro"]["bytes"] \
+                    if a["micro"] and b["state_bytes"] else None
+                snap = (f"; its snapshot copy took {1000 * cf['snapshot_s']:.0f} ms"
+                        + (f" ({cf['snapshot_s'] / memcpy:.1f}x an idle memcpy of the bytes)" if memcpy else "")
+                        if cf.get("snapshot_s") else "")
+                L += [f"cfdist during training: persist at {cf['persist_mb_s']:.0f} MB/s (sharing the cores with "
+                      f"the training ranks){snap}.", ""]
+    L += growth_tables(a)
+    if a["micro"]:
+        m = a["micro"]
+        L += ["## Disk and memory references", "",
+              f"{m['bytes'] / 1e6:.0f} MB, interleaved rounds on the checkpoint filesystem:", "",
+              "| figure | median [min, max] | ratio |", "|---|---:|---:|",
+              f"| raw write + fsync | {_mbs(m['raw_mb_s'])} | 1 |",
+              f"| raw write + fsync, O_DIRECT | {_mbs(m['direct_mb_s']) if m['direct_mb_s'] else 'unsupported: ' + str(m['direct_unsupported'])} | "
+              f"{_x(_ratio_m(m['direct_mb_s'], m['raw_mb_s']))} |",
+              f"| cfdist persist (write, xxh3, fsync, commit) | {_mbs(m['persist_mb_s'])} | "
+              f"{100 * m['persist_vs_raw']['median']:.0f}% of raw (pairwise), "
+              f"{100 * m['persist_vs_direct']['median']:.0f}% of O_DIRECT |" if m["persist_vs_direct"] else
+              f"| cfdist persist (write, xxh3, fsync, commit) | {_mbs(m['persist_mb_s'])} | "
+              f"{100 * m['persist_vs_raw']['median']:.0f}% of raw (pairwise) |",
+              f"| memcpy of the bytes | {_ms(m['memcpy_s'])} | 1 |",
+              f"| cfdist snapshot (phase 1 copy) | {_ms(m['snapshot_s'])} | "
+              f"{_x(m['snapshot_vs_memcpy']['median'])} memcpy |",
+              f"| CPU of memcpy + raw write (the CPU reference) | {m['cpu_ref_s']:.3f} s | 1 |", "",
+              "CPU seconds of each (this process, all threads; the kernel's writeback threads are not "
+              "attributed to it):", "",
+              "| raw write + fsync | O_DIRECT | memcpy | xxh3 of the bytes | cfdist snapshot | cfdist persist |",
+              "|---:|---:|---:|---:|---:|---:|",
+              "| " + " | ".join(_cpu(m["cpu_s"].get(k)) for k in ("raw", "direct", "memcpy", "xxh3", "snapshot", "persist"))
+              + " |", ""]
+    if a["restore"]:
+        r = a["restore"]
+        L += ["## Restore (cold page cache)", "",
+              f"{r['bytes'] / 1e6:.0f} MB into live model + optimizer; files evicted with posix_fadvise before each.", "",
+              "| method | seconds, median [min, max] |", "|---|---:|"]
+        L += [f"| {k} | {_ms(v)} |" for k, v in r["s"].items()]
+        L += ["", f"cfdist (checksums verified) = {_x(r['cfdist_vs_torch_load'])} torch.load, "
+                  f"{_x(r['cfdist_vs_dcp_load'])} DCP load.", ""]
+    if results.get("recovery"):
+        L += recovery_table(results["recovery"])
+    L += ["## Plots", "", "![stall](stall.png)", "", "![overhead](overhead.png)", "", "![growth](growth.png)", ""]
+    return "\n".join(L)
+
+
+def _cpu(s: dict | None) -> str:
+    return "-" if not s or s.get("median") is None else f"{s['median']:.3f} s"
+
+
+def _load(x) -> str:
+    return "-" if not x else "/".join(f"{v:.1f}" for v in x)
+
+
+def _mbs(s):
+    return "-" if not s or s.get("median") is None else f"{s['median']:.0f} MB/s [{s['min']:.0f}, {s['max']:.0f}]"
+
+
+def _ratio_m(a, b):
+    return measure.ratio(a and a["median"], b and b["median"])
+
+
+def growth_tables(a: dict) -> list[str]:
+    L = []
+    rows = sorted(_find(a["blocks"], "size") + _find(a["blocks"], "main") + _find(a["blocks"], "ranks"),
+                  key=lambda b: (b["world"], b["state_bytes"] or 0))
+    if len(rows) > 1:
+        L += ["## Growth with state size and ranks", "",
+              "| state | ranks | cfdist stall | DCP async stall | cfdist / DCP async | cfdist overhead | DCP async overhead |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+        for b in rows:
+            c, d = b["methods"].get("cfdist", {}), b["methods"].get("dcp.async", {})
+            L.append(f"| {(b['state_bytes'] or 0) / 1e6:.0f} MB | {b['world']} | {_ms(c.get('stall_s'))} | "
+                     f"{_ms(d.get('stall_s'))} | "
+                     f"{_x(measure.ratio((c.get('stall_s') or {}).get('median'), (d.get('stall_s') or {}).get('median')), 3)} | "
+                     f"{_pct(c.get('overhead'))} | {_pct(d.get('overhead'))} |")
+        L.append("")
+    main = (_find(a["blocks"], "main") or [None])[0]
+    if main:
+        roots = [(m, d) for m, d in main["methods"].items() if m == "cfdist" or m.startswith("cfdist.roots")]
+        if len(roots) > 1:
+            L += ["Storage roots (all on the same disk here: striping shows its cost, not a second disk's gain):", "",
+                  "| roots | stall | persist during training | overhead |", "|---:|---:|---:|---:|"]
+            for m, d in roots:
+                n = 1 if m == "cfdist" else int(m.removeprefix("cfdist.roots"))
+                pm = f"{d['persist_mb_s']:.0f} MB/s" if d.get("persist_mb_s") else "-"
+                L.append(f"| {n} | {_ms(d['stall_s'])} | {pm} | {_pct(d.get('overhead'))} |")
+            L.append("")
+    return L
+
+
+def recovery_table(rec: dict) -> list[str]:
+    L = ["## Recovery per tier (bench/bench_recovery.py)", "", "| tier | restored from | lost iterations | detect s | "
+         "restart s | restore s | total s |", "|---|---|---:|---:|---:|---:|---:|"]
+    for tier, r in rec.get("recovery", {}).items():
+        L.append(f"| {tier} | {r['restored_from']} | {r['lost_iters']} | {r['detect_s']:.2f} | "
+                 f"{r['wait_s'] + r['restart_s']:.2f} | {r['restore_s']:.2f} | {r['total_s']:.2f} |")
+    return L + [""]
+
+
+# ---- plots ------------------------------------------------------------------------------------------
+
+def plots(a: dict, out: str) -> list[str]:
+    """``stall.png``, ``overhead.png``, ``growth.png`` into ``out``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    wl = _find(a["blocks"], "main") + _find(a["blocks"], "workload")
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    methods = [m for m in wl[0]["methods"] if m != "none"] if wl else []
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        xs, ys = [], []
+        for i, b in enumerate(wl):
+            v = b["methods"].get(m, {}).get("stall_vs_dcp_best")
+            if v is not None:
+                xs.append(i + j * width)
+                ys.append(max(v, 1e-3))
+        ax.bar(xs, ys, width, label=m)
+    ax.axhline(0.2, color="k", ls="--", lw=1, label="target 1/5")
+    ax.set_yscale("log")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(wl))], [b["workload"] for b in wl])
+    ax.set_ylabel("stall per checkpoint / DCP best")
+    ax.set_title("stall per checkpoint measured from outside, as a ratio to DCP's best configuration")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    paths.append(os.path.join(out, "stall.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    main = (_find(a["blocks"], "main") or [None])[0]
+    if main:
+        ms = [m for m in main["methods"] if m != "none" and main["methods"][m].get("overhead")]
+        med = [100 * main["methods"][m]["overhead"]["median"] for m in ms]
+        lo = [100 * main["methods"][m]["overhead"]["min"] for m in ms]
+        hi = [100 * main["methods"][m]["overhead"]["max"] for m in ms]
+        ax.bar(range(len(ms)), med, yerr=[[x - y for x, y in zip(med, lo)], [y - x for x, y in zip(med, hi)]],
+               capsize=3, color=["C3" if m.startswith("cfdist") else "C0" for m in ms])
+        noise = 100 * (main["methods"]["none"]["overhead"]["noise"] or 0) if "none" in main["methods"] else 0
+        ax.axhspan(0, noise, color="grey", alpha=0.25, label=f"no-checkpoint spread {noise:.1f}%")
+        ax.axhline(10, color="k", ls="--", lw=1, label="target 10%")
+        ax.set_xticks(range(len(ms)), ms, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("wall overhead vs no checkpointing (%)")
+        ax.set_title(f"MLP, k={main['k']}: median and min-max over interleaved rounds")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out, "overhead.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axs = plt.subplots(1, 3, figsize=(13, 4))
+    size = sorted([b for b in _find(a["blocks"], "size") + _find(a["blocks"], "main") if b["world"] == 2],
+                  key=lambda b: b["state_bytes"] or 0)
+    ranks = sorted([b for b in _find(a["blocks"], "ranks") + _find(a["blocks"], "size")
+                    if b["state_mb"] == 50], key=lambda b: b["world"])
+    for ax, bs, xkey, xl in ((axs[0], size, lambda b: (b["state_bytes"] or 0) / 1e6, "state (MB)"),
+                             (axs[1], ranks, lambda b: b["world"], "ranks (50 MB state)")):
+        for m in ("cfdist", "dcp.async"):
+            pts = [(xkey(b), b["methods"][m]["stall_s"]["median"]) for b in bs
+                   if m in b["methods"] and b["methods"][m]["stall_s"]["median"] is not None]
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=m)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("stall per checkpoint (s)")
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    if main:
+        rs = [(1 if m == "cfdist" else int(m.removeprefix("cfdist.roots")), d["stall_s"]["median"],
+               d.get("persist_mb_s")) for m, d in main["methods"].items()
+              if (m == "cfdist" or m.startswith("cfdist.roots")) and d["stall_s"]["median"] is not None]
+        if rs:
+            axs[2].plot([r[0] for r in rs], [r[1] for r in rs], "o-", label="cfdist stall (s)")
+            axs[2].set_xlabel("storage roots (same disk)")
+            axs[2].set_ylabel("stall per checkpoint (s)")
+            axs[2].legend(fontsize=8)
+    fig.suptitle("growth with state size, ranks and roots")
+    fig.tight_layout()
+    paths.append(os.path.join(out, "growth.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+# ---- README -----------------------------------------------------------------------------------------
+
+def readme_section(results: dict, a: dict | None = None, *, report_path: str = "docs/bench/report.md") -> str:
+    """The README's performance summary, generated from a committed results file."""
+    a = a or analyze(results)
+    main = (_find(a["blocks"], "main") or [None])[0]
+    L = [BEGIN, "<!-- generated by `cfdist bench --readme` from "
+         f"{os.path.dirname(report_path)}/results.json; do not edit by hand -->", ""]
+    mc = results["machine"]
+    L += [f"Measured by `{results['command']}` on {mc.get('cpu_count')} cores, {mc.get('memory_gb')} GB RAM, "
+          f"{results.get('filesystem', {}).get('type')} disk, torch {mc.get('torch')}, started {results['started']}"
+          f"{' (' + results['note'] + ')' if results.get('note') else ''}. Full report, plots and every run: "
+          f"[{report_path}]({report_path}).", ""]
+    if main:
+        L += [_block_title(main) + ":", ""] + method_table(main) + [""]
+    L += ["Targets:", ""] + targets_table(a) + ["", END]
+    return "\n".join(L)
+
+
+def rewrite_readme(readme: str, section: str) -> str:
+    """Replace the text between the markers (markers included) with ``section``."""
+    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if not pat.search(readme):
+        raise ValueError(f"the README has no {BEGIN} ... {END} markers to put the benchmark table between; "
+                         f"add them where the table belongs")
+    return pat.sub(lambda _: section, readme, count=1)

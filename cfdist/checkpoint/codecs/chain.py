@@ -1,0 +1,121 @@
+"""What chain codecs remember between checkpoints, and the per-persist plan built from it.
+
+A chain codec (``Incremental``, ``LCDelta``) encodes a tensor against a *reference*: the same
+tensor as an earlier committed checkpoint of the same storage holds it. The encoder keeps that
+reference in host memory (a :class:`ChainState` per codec, per storage, in the process that
+persists: the writer thread, the writer process, or the node actor), because reading it back
+from storage at every checkpoint would cost more than writing the full tensor. Memory cost:
+one copy of every tensor the codec selects (for ``LCDelta`` up to two while a persist runs).
+
+A node actor writes its memory and local tiers as two chains (each tier's references are its
+own), so it encodes twice. The state is updated only after the checkpoint committed, so a failed persist leaves the
+reference pointing at the newest committed checkpoint. A checkpoint is encoded against
+a reference only when that reference is older than it and still committed; otherwise it is
+written in full (the first checkpoint of every process, after a layout change, after a
+rollback, every ``full_every``-th).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cfdist.checkpoint.format import MANIFEST, step_dir
+
+
+@dataclass
+class ChainState:
+    """One chain codec's memory of its chain on one storage (lives in the persisting process)."""
+
+    base: tuple[int, str] | None = None
+    """(step, checkpoint id) of the chain's last full checkpoint."""
+    links: list[tuple[int, str]] = field(default_factory=list)
+    """Committed checkpoints of the chain, base first (what the newest one depends on)."""
+    since_full: int = 0
+    refs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+# (storage URL) -> (session id, {codec name: ChainState}). One session per storage: a new
+# Checkpointer (a restart) replaces the previous one's references instead of leaking them.
+_STATES: dict[str, tuple[str, dict[str, ChainState]]] = {}
+_LOCK = threading.Lock()
+
+
+def states_for(url: str, session: str) -> dict[str, ChainState]:
+    with _LOCK:
+        cur = _STATES.get(url)
+        if cur is None or cur[0] != session:
+            cur = _STATES[url] = (session, {})
+        return cur[1]
+
+
+def forget(url: str) -> None:
+    """Drop the references kept for ``url`` (tests, or to free memory)."""
+    with _LOCK:
+        _STATES.pop(url, None)
+
+
+class ChainPlan:
+    """One chain codec's decision for one persist: full, or encode against ``ref``.
+
+    Built once per persist (thread-safe: shards are encoded on one thread per root).
+    Encoders call :meth:`reference` per tensor and queue what the state becomes after the
+    commit with :meth:`after_commit`.
+    """
+
+    def __init__(self, codec, state: ChainState, storage, step: int, consecutive: bool):
+        self.codec, self.state, self.step = codec, state, step
+        self.consecutive = consecutive
+        ref = (state.links[-1] if consecutive else state.base) if state.links else None
+        full_every = getattr(codec, "full_every", None)
+        due = full_every is not None and state.since_full + 1 >= full_every
+        self.reason = ("no reference yet" if ref is None else
+                       f"every {full_every}" if due else
+                       f"reference step {ref[0]} is not older than {step}" if ref[0] >= step else None)
+        if self.reason is None and not storage.exists(f"{step_dir(ref[0])}/{MANIFEST}"):
+            self.reason = f"reference step {ref[0]} is no longer committed"
+        self.full = self.reason is not None
+        self.ref = None if self.full else ref
+        self._lock = threading.Lock()
+        self._updates: list = []
+        self.used = False
+
+    def reference(self, name: str, arr: np.ndarray) -> np.ndarray | None:
+        """The reference of tensor ``name`` when it can be encoded against one, else None."""
+        self.used = True
+        if self.full:
+            return None
+        r = self.state.refs.get(name)
+        return r if r is not None and r.shape == arr.shape and r.dtype == arr.dtype else None
+
+    def remember(self, name: str, arr: np.ndarray) -> None:
+        """``arr`` (written whole) becomes the reference of ``name`` once committed, when later
+        checkpoints will encode against this one."""
+        if self.full or self.consecutive:
+            self.after_commit(lambda refs: refs.__setitem__(name, np.array(arr, copy=True)))
+
+    def after_commit(self, fn) -> None:
+        with self._lock:
+            self._updates.append(fn)
+
+    def depends_on(self) -> list[tuple[int, str]]:
+        if self.full or not self.used:
+            return []
+        return list(self.state.links) if self.consecutive else [self.state.base]
+
+    def commit(self, step: int, ckpt_id: str) -> None:
+        """Apply the queued updates: called once the checkpoint is committed."""
+        if not self.used:
+            return
+        st = self.state
+        if self.full:
+            st.refs.clear()
+        for fn in self._updates:
+            fn(st.refs)
+        if self.full:
+            st.base, st.links, st.since_full = (step, ckpt_id), [(step, ckpt_id)], 0
+        else:
+            st.since_full += 1
+            st.links.append((step, ckpt_id))
