@@ -84,7 +84,7 @@ def test_diff_errors_name_the_problem(run, capsys):
     assert cli.main(["inspect", "--diff", "2", "4"]) == 2
     assert "give the run directory" in capsys.readouterr().err
     assert cli.main(["inspect", url, "--diff", "2", "3"]) == 2
-    assert "step 3 was never committed" in capsys.readouterr().err
+    assert "step 3 is not committed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
