@@ -5,6 +5,8 @@
     cfdist fit run.yaml               # cfdist.fit from a YAML file (see `cfdist fit --help`)
     cfdist ls file:///mnt/ssd/cfdist/run1
     cfdist inspect file:///mnt/ssd/cfdist/run1/step-000001200   # or the run dir: newest step
+    cfdist inspect file:///mnt/ssd/cfdist/run1 --diff 1100 1200  # what changed between two steps
+    cfdist export file:///mnt/ssd/cfdist/run1 --format safetensors --out ./model   # for inference
     cfdist demo                       # the local demo (python -m cfdist.demo)
     cfdist bench                      # checkpoint benchmarks vs torch.save and DCP (--quick, --full)
 
@@ -25,6 +27,7 @@ SUBCOMMANDS: dict[str, str] = {
     "fit": "cfdist.cli:_register_fit",
     "ls": "cfdist.cli:_register_ls",
     "inspect": "cfdist.cli:_register_inspect",
+    "export": "cfdist.cli:_register_export",
     "demo": "cfdist.cli:_register_demo",
     "experiment": "cfdist.experiments.experiment:register",   # preemption experiments (cfdist/experiments)
     "bench": "cfdist.benchmarks.cli:register",             # benchmarks vs torch.save and DCP
@@ -218,9 +221,12 @@ def _run_ls(a) -> int:
 
 def _register_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="show what a checkpoint holds (and verify its checksums)")
-    p.add_argument("checkpoint", help="URL of a step directory (.../step-000001200) or of a run "
-                                      "directory (its newest step)")
+    p.add_argument("checkpoint", nargs="?", help="URL of a step directory (.../step-000001200) or of a run "
+                                                 "directory (its newest step)")
     p.add_argument("--verify", action="store_true", help="read every tensor and check its xxh3")
+    p.add_argument("--diff", nargs=2, metavar=("STEP_A", "STEP_B"),
+                   help="compare two checkpoints: step directory URLs, or step numbers in the run "
+                        "directory given as CHECKPOINT")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_inspect)
 
@@ -266,6 +272,10 @@ def summarize_manifest(m: dict) -> dict:
 
 
 def _run_inspect(a) -> int:
+    if a.diff:
+        return _run_diff(a)
+    if a.checkpoint is None:
+        return _fail("inspect needs a CHECKPOINT URL (a step or run directory), or --diff STEP_A STEP_B")
     from rich.console import Console
     from rich.table import Table
 
@@ -304,6 +314,109 @@ def _run_inspect(a) -> int:
         con.print(f"codecs {', '.join(c['name'] for c in summary['codecs'])}: {summary['bytes_stored']:,} bytes "
                   f"stored" + (f", needs steps {summary['depends_on']}" if summary["depends_on"] else ""))
     con.print(t)
+    return 0
+
+
+def resolve_step(spec: str, run: str | None) -> tuple[str, int | None]:
+    """A step given as a step-directory URL, or as a number inside the run directory ``run``."""
+    if spec.isdigit():
+        if run is None:
+            raise ValueError(f"step {spec} is a number: give the run directory too, e.g. "
+                             f"cfdist inspect file:///path/run --diff {spec} ...")
+        return split_checkpoint_url(run)[0], int(spec)
+    return split_checkpoint_url(spec)
+
+
+def _load_or_fail(root: str, step: int | None):
+    from cfdist.checkpoint import CheckpointError
+    from cfdist.checkpoint.discovery import load
+
+    try:
+        return load(root, step)
+    except CheckpointError as e:
+        print(f"cfdist: error: {e}", file=sys.stderr)
+        return None
+
+
+def _run_diff(a) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from cfdist.checkpoint.compare import diff_checkpoints
+
+    try:
+        (ra, sa), (rb, sb) = (resolve_step(x, a.checkpoint) for x in a.diff)
+    except ValueError as e:
+        return _fail(str(e))
+    la, lb = _load_or_fail(ra, sa), _load_or_fail(rb, sb)
+    if la is None or lb is None:
+        return 2
+    d = diff_checkpoints(la, lb)
+    if a.json:
+        print(json.dumps(d))
+        return 0
+    con, t = Console(), d["tensors"]
+    con.print(f"step {d['step_a']} ({ra}) vs step {d['step_b']} ({rb}): {len(t['changed'])} tensor(s) "
+              f"differ, {t['equal']} equal, {len(t['only_a'])} only in A, {len(t['only_b'])} only in B, "
+              f"{len(d['values'])} small value(s) differ")
+    if t["changed"]:
+        tab = Table(title="tensors that differ")
+        for col in ("tensor", "shape", "dtype", "elements differing", "max |a-b|"):
+            tab.add_column(col, overflow="fold")    # full tensor names, wrapped on narrow terminals
+        for c in t["changed"]:
+            if "shape_a" in c:
+                tab.add_row(c["name"], f"{c['shape_a']} -> {c['shape_b']}", f"{c['dtype_a']} -> {c['dtype_b']}", "-", "-")
+            else:
+                mx = "-" if c["max_abs_diff"] is None else f"{c['max_abs_diff']:.6g}"
+                tab.add_row(c["name"], str(c["shape"]), c["dtype"], str(c["n_diff"]), mx)
+        con.print(tab)
+    for side in ("only_a", "only_b"):
+        if t[side]:
+            con.print(f"only in {side[-1].upper()}: " + ", ".join(t[side]))
+    if d["values"]:
+        tab = Table(title="small state that differs")
+        for col in ("value", "A", "B"):
+            tab.add_column(col)
+        for v in d["values"]:
+            tab.add_row(v["path"], str(v["a"]), str(v["b"]))
+        con.print(tab)
+    return 0
+
+
+# ---- export ----------------------------------------------------------------------------------------
+
+def _register_export(sub) -> None:
+    p = sub.add_parser("export", help="write one state entry (the model) as safetensors or a torch file, "
+                                      "readable without cfdist")
+    p.add_argument("checkpoint", help="URL of a step directory (.../step-000001200) or of a run "
+                                      "directory (its newest step that verifies)")
+    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
+                   help="safetensors: DIR/model.safetensors (safetensors.torch.load_file, Hugging Face); "
+                        "torch: DIR/model.pt (torch.load(path, weights_only=True))")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
+    p.add_argument("--key", default=None, help="state entry to export (default: 'model', or the only "
+                                               "entry with tensors)")
+    p.add_argument("--strip-prefix", action="append", default=None, metavar="PREFIX", nargs="?",
+                   const="module.", help="remove PREFIX from tensor names (default PREFIX: DDP's "
+                                         "'module.'; repeat for several, e.g. _orig_mod.)")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(a) -> int:
+    from cfdist.checkpoint.compare import export_tensors, save_export
+
+    root, step = split_checkpoint_url(a.checkpoint)
+    loaded = _load_or_fail(root, step)
+    if loaded is None:
+        return 2
+    try:
+        key, tensors = export_tensors(loaded, a.key, strip_prefixes=tuple(a.strip_prefix or ()))
+    except ValueError as e:
+        return _fail(str(e))
+    path = save_export(tensors, a.out, a.format, {"cfdist_step": loaded["step"], "cfdist_key": key,
+                                                  "cfdist_source": root})
+    n = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"exported {key!r} of step {loaded['step']}: {len(tensors)} tensors, {n:,} bytes -> {path}")
     return 0
 
 

@@ -332,7 +332,7 @@ class Checkpointer:
         t_enter = time.perf_counter()
         self._on_boundary()
         self._harvest()
-        stall = self._snap.wait_copied()
+        stall, self._gate_stall = self._snap.wait_copied() + self._gate_stall, 0.0
         t0 = time.perf_counter()
         out = None
         if scaler is not None:
@@ -371,6 +371,26 @@ class Checkpointer:
             self._agreed_k = k
             self.policy.agreed(k, self._step)
         return bool(self.policy.should_checkpoint(self._step, epoch_end=epoch_end)) or save_now
+
+    _gate_stall = 0.0
+
+    def gate(self) -> float:
+        """Block until the in-flight snapshot's copy finished; returns the seconds waited.
+
+        For loops whose optimizer update does not go through :meth:`step` (framework callbacks:
+        Lightning's ``on_before_optimizer_step``): call right before the update, then
+        ``step()`` without an optimizer right after it. The wait counts as the next step's stall.
+        """
+        s = self._snap.wait_copied()
+        self._gate_stall += s
+        return s
+
+    def boundary(self) -> None:
+        """Mark the instant between iterations now: the small state (schedulers, plain values,
+        RNG) of a snapshot just begun is captured here instead of at the next fetch or forward.
+        For loops that fetch or run forward where the checkpointer cannot see it (framework
+        callbacks); call after the scheduler step, before the next batch is fetched."""
+        self._on_boundary()
 
     _agreed_k = 0
 
