@@ -21,7 +21,7 @@ import tempfile
 
 import pytest
 
-from cfdist.cluster.local_cluster import kill_node
+from cfdist.cluster.local_cluster import descendants as _descendants, kill_node
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
