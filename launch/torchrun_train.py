@@ -3,6 +3,7 @@ shared tier, and torchrun's ``--max-restarts`` for recovery.
 
 Run the same line on every node (here 2 nodes with 8 GPUs each)::
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1     # needed with --max-restarts, see below
     torchrun --nnodes=2 --nproc-per-node=8 --max-restarts=3 \
         --rdzv-backend=c10d --rdzv-endpoint=HEAD_HOST:29400 --rdzv-id=shapes-1 \
         launch/torchrun_train.py --local-storage file:///mnt/local-ssd/cfdist/shapes-1 \
@@ -15,12 +16,20 @@ checkpoint to ``--shared-storage`` in the background, for a restart on new machi
 dies, torchrun restarts the whole group (up to ``--max-restarts`` times); every rank then
 restores the same step (the newest every rank can load; ranks agree once per start) and the
 loader resumes at the exact sample. Add ``--backend nccl`` (the default on GPUs).
+
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun's c10d rendezvous shares one
+TCPStore with the workers for the whole job, and a restarted group finds the previous group's
+keys in it (torchrun's per-attempt prefix uses a restart count each node keeps for itself). The
+restarted workers can then read a dead peer's address and fail or hang in
+``init_process_group`` (pytorch/pytorch#135712, #167288). With the variable set, each group gets
+a fresh store. This script warns when it runs under ``--max-restarts`` without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import threading
 import time
@@ -55,6 +64,18 @@ def copy_to_shared(local: str, shared: str, every: int, stop: threading.Event) -
                 done.add(step)
 
 
+def warn_shared_store() -> bool:
+    """Warn when torchrun restarts groups on a shared rendezvous store (see the module docstring)."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        logging.getLogger("cfdist.launch").warning(
+            "torchrun --max-restarts with a shared rendezvous store: a restarted group can read the "
+            "previous group's keys and fail or hang in init_process_group (pytorch#135712); "
+            "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun")
+        return True
+    return False
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--local-storage", required=True, help="node-local checkpoint URL (file:///mnt/local-ssd/...)")
@@ -68,6 +89,7 @@ def main(argv=None) -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args(argv)
 
+    warn_shared_store()
     dist.init_process_group(a.backend)
     rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if a.backend == "nccl" else torch.device("cpu")

@@ -41,6 +41,10 @@ def _job(tmp: Path, out: Path, *, max_restarts: int, sleep: float) -> list[subpr
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["GLOO_SOCKET_IFNAME"] = "lo"
+    # torchrun's shared rendezvous TCPStore keeps the first round's keys across --max-restarts,
+    # and the restarted workers can read a dead peer's address (pytorch#135712, #167288):
+    # the workaround the launcher's docstring gives to users.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     port, agents = _port(), []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
@@ -61,8 +65,11 @@ def _wait(agents, out, timeout=300) -> None:
         except subprocess.TimeoutExpired:
             _kill(agents)
             raise
-        assert rc == 0, f"agent failed ({rc}):\n" + "\n".join(
-            (out / f"agent{i}.log").read_text()[-3000:] for i in (0, 1))
+        assert rc == 0, f"agent failed ({rc}):\n" + _logs(out)
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"--- agent{i}.log\n" + (out / f"agent{i}.log").read_text()[-3000:] for i in (0, 1))
 
 
 def _tree(pid: int) -> list[int]:
@@ -114,8 +121,7 @@ def _wait_steps(out, rank, n, agents, timeout=300) -> None:
     deadline = time.monotonic() + timeout
     while _steps_done(out, rank) < n:
         if time.monotonic() > deadline or all(a.poll() is not None for a in agents):
-            raise AssertionError(f"rank {rank} did not reach {n} steps:\n"
-                                 + (out / "agent0.log").read_text()[-3000:])
+            raise AssertionError(f"rank {rank} did not reach {n} steps:\n" + _logs(out))
         time.sleep(0.02)
 
 
@@ -167,8 +173,10 @@ def _kill_and_restart(tmp, out, rng, worker_kills, job_kills, started) -> Path:
         time.sleep(rng.uniform(0, 0.05))
         starts = _starts(out, rank)
         os.kill(_records(out, rank)[-1]["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 300   # the restarted group is up before the next kill
-        while _starts(out, rank) == starts and time.monotonic() < deadline and all(a.poll() is None for a in agents):
+        deadline = time.monotonic() + 240   # the restarted group is up before the next kill
+        while _starts(out, rank) == starts and all(a.poll() is None for a in agents):
+            if time.monotonic() > deadline:
+                raise AssertionError("the group did not restart in 240 s:\n" + _logs(out))
             time.sleep(0.05)
     _wait(agents, out)
     return out
@@ -198,3 +206,22 @@ def test_two_node_torchrun_job_killed_many_times(tmp_path, reference, seed):
     then two workers killed and restarted by torchrun."""
     out = _run_killed(tmp_path, random.Random(seed), worker_kills=2, job_kills=2)
     _assert_like_reference(out, reference, starts=5)
+
+
+def test_launcher_warns_about_the_shared_rendezvous_store(monkeypatch, caplog):
+    """torchrun --max-restarts with the shared store (the default) gets the workaround named."""
+    sys.path.insert(0, str(REPO / "launch"))
+    try:
+        from torchrun_train import warn_shared_store
+    finally:
+        sys.path.remove(str(REPO / "launch"))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with caplog.at_level("WARNING", logger="cfdist.launch"):
+        assert warn_shared_store()
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")     # what the variable gives
+    assert not warn_shared_store()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")            # no restarts: no stale keys
+    assert not warn_shared_store()
