@@ -133,8 +133,10 @@ def resolve(io: str, directory: str) -> str:
         raise DirectIOUnsupported(_errno.EINVAL, f"io='direct' but the filesystem of {directory} refuses O_DIRECT "
                                                  f"({why}); use io='auto' (falls back to buffered writes) or "
                                                  f"put the checkpoints on a disk filesystem (ext4, xfs)")
+    dev = os.stat(directory).st_dev
     with _probe_lock:
-        first = _logged.setdefault(os.stat(directory).st_dev, directory) == directory
+        first = dev not in _logged
+        _logged.setdefault(dev, directory)
     if first:
         log.info("O_DIRECT is not supported on the filesystem of %s (%s): checkpoint files there are written "
                  "through the page cache (fsync, then posix_fadvise DONTNEED)", directory, why)
