@@ -1,11 +1,14 @@
 """Persist throughput against the disk's raw write + fsync, and a simulated multi-node curve.
 
-    python bench/bench_persist.py                       # ~2-3 min on 2 idle cores -> cfdist-runs/persist/
+    python bench/bench_persist.py                       # ~1-2 min on 2 cores -> cfdist-runs/persist/
     python bench/bench_persist.py --quick               # tiny sizes, one round (a smoke test)
     python bench/bench_persist.py --sizes 50,200,800 --roots 1,2,4 --rounds 3 --dir /mnt/nvme --out docs/persist
 
 What one run measures, on the filesystem of ``--dir``, in interleaved rounds (one of each per
 round, so a drift in machine load hits every figure alike):
+
+Each round runs every figure once, in an order rotated from round to round, after one untimed
+warm-up round.
 
 * ``raw buffered``: ``os.write`` of the bytes in 16 MiB chunks + ``fsync`` (the page cache path);
 * ``raw direct``: the same with ``O_DIRECT`` from an aligned buffer (the disk's own speed);
@@ -138,11 +141,15 @@ def run(a) -> dict:
                       if res["o_direct"] == "supported"]
         out = {"bytes": nbytes, "raw buffered": [], "raw direct": [], **{c.name: [] for c in cases}}
         try:
+            todo = [("raw buffered", lambda: micro.raw_write(os.path.join(base, "raw.bin"), nbytes, buf)),
+                    ("raw direct", lambda: micro.raw_write(os.path.join(base, "raw.bin"), nbytes, buf, direct=True))]
+            todo += [(c.name, c.run) for c in cases]
+            for _, fn in todo:   # warm-up, not kept: directories, the O_DIRECT probe, first writes
+                fn()
             for r in range(a.rounds):
-                out["raw buffered"].append(micro.raw_write(os.path.join(base, "raw.bin"), nbytes, buf))
-                out["raw direct"].append(micro.raw_write(os.path.join(base, "raw.bin"), nbytes, buf, direct=True))
-                for c in cases:
-                    out[c.name].append(c.run())
+                # rotated each round: no figure always follows the same one (a big delete, a flush)
+                for name, fn in todo[r % len(todo):] + todo[:r % len(todo)]:
+                    out[name].append(fn())
                 print(f"  {mb:g} MB round {r + 1}/{a.rounds}: " + ", ".join(
                     f"{k} {nbytes / v[-1]['s'] / MB:.0f} MB/s" for k, v in out.items()
                     if isinstance(v, list) and v and "s" in v[-1]), flush=True)
@@ -226,12 +233,12 @@ def main(argv=None) -> int:
                    help="comma-separated directories, one per root (separate disks); default: under --dir")
     p.add_argument("--io", type=lambda s: s.split(","), default=["auto", "buffered"],
                    help="io modes on one root (default auto,buffered)")
-    p.add_argument("--threads", type=ints, default=[2, 1, 4],
+    p.add_argument("--threads", type=ints, default=[1, 2, 4],
                    help="O_DIRECT writer threads per file; the first is used everywhere, the others at the "
-                        "largest size (default 2,1,4)")
+                        "largest size (default 1,2,4)")
     p.add_argument("--writers", type=ints, default=[1],
                    help="ranks writing slices (needs Checkpointer(writers=...); only 1 for now)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the files are written (default: the temp dir)")
     p.add_argument("--out", default=os.path.join("cfdist-runs", "persist"))
     p.add_argument("--quick", action="store_true", help="4 and 16 MB, one round (a smoke test)")
@@ -240,7 +247,7 @@ def main(argv=None) -> int:
         p.error(f"--writers {a.writers}: several writing ranks need Checkpointer(writers=...), which this "
                 f"checkout does not have; use --writers 1")
     if a.quick:
-        a.sizes, a.rounds, a.roots, a.threads = [4, 16], 1, [1, 2], [2, 1]
+        a.sizes, a.rounds, a.roots, a.threads = [4, 16], 1, [1, 2], [1, 2]
     res = run(a)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "persist.json"), "w") as f:

@@ -70,6 +70,9 @@ from cfdist.storage.direct import ALIGN, io_mode
 log = logging.getLogger("cfdist.persist")
 
 _CHUNK = 16 << 20
+_HASH_STEP = 1 << 20
+"""Bytes per xxh3 update: the hash keeps the GIL for one update, so a writer thread waiting to
+issue its next write waits at most this much hashing (about 0.1-0.3 ms)."""
 
 
 @dataclass(kw_only=True)
@@ -109,8 +112,11 @@ class PersistJob:
     io: str = "buffered"
     """How shard files are written on local roots (:mod:`cfdist.storage.direct`): ``"auto"``
     (``O_DIRECT`` where the filesystem takes it), ``"direct"`` or ``"buffered"``."""
-    io_threads: int = 2
-    """Writer threads per shard file for ``O_DIRECT`` writes (the device's queue depth)."""
+    io_threads: int = 1
+    """Writer threads per shard file for ``O_DIRECT`` writes (the device's queue depth). One
+    thread already overlaps the checksums with the writes; more were slower on ext4 over a
+    virtio disk (extending writes to one file serialize; ``bench/bench_persist.py --threads``),
+    and may help on NVMe."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -256,7 +262,9 @@ def _arena_windows(arena: np.ndarray, entries: list[TensorEntry], sums: dict):
         we = min(w + _CHUNK, end)
         while j < len(entries) and entries[j].offset < we:
             e = entries[j]
-            hashes[j].update(memoryview(arena[max(e.offset, w):min(e.offset + e.nbytes, we)]))
+            a, b = max(e.offset, w), min(e.offset + e.nbytes, we)
+            for i in range(a, b, _HASH_STEP):   # xxhash holds the GIL: let the writer thread in often
+                hashes[j].update(memoryview(arena[i:min(i + _HASH_STEP, b)]))
             if e.offset + e.nbytes > we:
                 break   # continues in the next window
             j += 1
