@@ -193,19 +193,23 @@ def markdown(res: dict) -> str:
            f"{'/'.join(f'{x:.1f}' for x in mc['load_avg_start'] or [])}.",
            f"Checkpoints on {fs.get('type')} ({fs.get('device')}, {fs.get('size_gb')} GB); O_DIRECT: {res['o_direct']}. "
            f"All roots are directories on this one disk unless `--root-dirs` named others.", "",
+           *([res["note"], ""] if res.get("note") else []),
            "Figures are MB/s, median [min, max] over interleaved rounds; a ratio is the median over rounds of "
            "(that round's throughput / the reference's in the same round). `persist` = "
            "`write_checkpoint` of a snapshot already in its arenas: shard files, per-tensor xxh3, fsync, "
            "manifest, atomic commit (retention and the LATEST hint excluded).", ""]
     for mb, d in res["sizes"].items():
         n = d["bytes"]
-        out += [f"## {mb} MB", "", "| what | MB/s | / raw buffered | / raw direct |", "|---|---:|---:|---:|"]
+        out += [f"## {mb} MB", "", "| what | MB/s | / raw buffered | / raw direct | CPU s per GB |",
+                "|---|---:|---:|---:|---:|"]
         for k, v in d.items():
             if not isinstance(v, list):
                 continue
             rb, rd = _ratio(v, d["raw buffered"]), _ratio(v, d["raw direct"])
             io = f" (wrote {v[0]['io']})" if v and v[0].get("io") else ""
-            out.append(f"| {k}{io} | {_mbs(n, v)} | {f'{rb:.2f}x' if rb else ''} | {f'{rd:.2f}x' if rd else ''} |")
+            cpu = [r["cpu_s"] for r in v if r.get("cpu_s") is not None]
+            cpu = f"{statistics.median(cpu) / (n / 1e9):.2f}" if cpu else ""
+            out.append(f"| {k}{io} | {_mbs(n, v)} | {f'{rb:.2f}x' if rb else ''} | {f'{rd:.2f}x' if rd else ''} | {cpu} |")
         out.append("")
     st = res["store_add_s"]
     sim = res["simulation"]
@@ -241,6 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the files are written (default: the temp dir)")
     p.add_argument("--out", default=os.path.join("cfdist-runs", "persist"))
+    p.add_argument("--note", default=None, help="a paragraph for the report (e.g. how loaded the machine was)")
     p.add_argument("--quick", action="store_true", help="4 and 16 MB, one round (a smoke test)")
     a = p.parse_args(argv)
     if a.writers != [1]:
@@ -249,6 +254,8 @@ def main(argv=None) -> int:
     if a.quick:
         a.sizes, a.rounds, a.roots, a.threads = [4, 16], 1, [1, 2], [1, 2]
     res = run(a)
+    if a.note:
+        res["note"] = a.note
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "persist.json"), "w") as f:
         json.dump(res, f, indent=1)
