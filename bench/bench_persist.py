@@ -2,7 +2,7 @@
 
     python bench/bench_persist.py                       # ~1-2 min on 2 cores -> cfdist-runs/persist/
     python bench/bench_persist.py --quick               # tiny sizes, one round (a smoke test)
-    python bench/bench_persist.py --sizes 50,200,800 --roots 1,2,4 --rounds 3 --dir /mnt/nvme --out docs/persist
+    python bench/bench_persist.py --sizes 50,200,800 --roots 1,2,4 --rounds 3 --dir /mnt/nvme --out docs
 
 What one run measures, on the filesystem of ``--dir``, in interleaved rounds (one of each per
 round, so a drift in machine load hits every figure alike):
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -125,7 +126,7 @@ def run(a) -> dict:
     base = os.path.abspath(a.dir or tempfile.gettempdir())
     os.makedirs(base, exist_ok=True)
     t0 = time.time()
-    res = {"command": "python bench/bench_persist.py " + " ".join(sys.argv[1:]),
+    res = {"command": "python bench/bench_persist.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
            "machine": suite.machine(), "filesystem": suite.filesystem(base),
            "o_direct": unsupported_reason(base) or "supported", "sizes": {}}
@@ -247,10 +248,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join("cfdist-runs", "persist"))
     p.add_argument("--note", default=None, help="a paragraph for the report (e.g. how loaded the machine was)")
     p.add_argument("--quick", action="store_true", help="4 and 16 MB, one round (a smoke test)")
+    p.add_argument("--render", metavar="JSON", default=None, help="only write the markdown of an earlier persist.json")
     a = p.parse_args(argv)
     if a.writers != [1]:
         p.error(f"--writers {a.writers}: several writing ranks need Checkpointer(writers=...), which this "
                 f"checkout does not have; use --writers 1")
+    if a.render:
+        with open(a.render) as f:
+            res = json.load(f)
+        if a.note:
+            res["note"] = a.note
+        with open(os.path.join(a.out, "persist.md"), "w") as f:
+            f.write(markdown(res))
+        return 0
     if a.quick:
         a.sizes, a.rounds, a.roots, a.threads = [4, 16], 1, [1, 2], [1, 2]
     res = run(a)
