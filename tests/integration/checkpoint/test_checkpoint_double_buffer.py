@@ -166,3 +166,53 @@ def test_sigkill_during_overlapping_persists_keeps_the_newest_commit(children, t
     assert children.wait(pid, timeout=60) == 0
     assert done["stats"]["errors"] == 0 and done["close_raised"] is None
     assert committed_steps(st)[-1] == expected + 3
+
+
+def test_a_hung_persist_given_up_lets_the_queued_ones_commit_in_order(tmp_path):
+    """Real: the Checkpointer with ``buffers=2`` and ``persist_timeout_s``, its ordering thread and
+    thread backend, file:// storage. Faked: a disk that hangs (``hang``: step 2's shard write
+    blocks until released). The point: step 3's persist, queued behind the hung one, does not
+    run out its timeout while it waits its turn; once step 2 is given up (one error, raised once
+    by ``wait``) steps 3.. commit, in order; the hung writer, released, never commits step 2.
+    """
+    from cfdist.storage.faults import hang
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    url = f"file://{tmp_path / 'ckpt'}"
+    st = hang(open_storage(url))
+    ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, st, cfdist.Every(1), keep=100, buffers=2,
+                               persist_timeout_s=3.0)
+
+    def step():
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        ckpt.step(opt)
+        opt.zero_grad()
+
+    try:
+        step()
+        ckpt.wait()
+        st.arm(hang_after_bytes=0, only="shard")
+        step()                                   # step 2: its shard write hangs
+        deadline = time.monotonic() + 30
+        while not st.entered.is_set() and time.monotonic() < deadline:
+            model(torch.zeros(1, 16))            # the next forward hands the snapshot over
+            time.sleep(0.005)
+        assert st.entered.is_set()
+        st.arm(hang_after_bytes=None)            # later writes pass; step 2's stays blocked
+        for _ in range(4):
+            step()                               # steps 3..6
+        raised = []
+        try:
+            ckpt.wait()
+        except TimeoutError as e:
+            raised.append(e)
+        assert len(raised) == 1 and "step 2" in str(raised[0])
+        s = ckpt.stats
+        assert s["errors"] == 1 and s["checkpoints"] == 5 and s["latest_step"] == 6
+        assert committed_steps(open_storage(url)) == [1, 3, 4, 5, 6]
+    finally:
+        st.release()                             # the hung writer wakes up: it must not commit
+        ckpt.close()
+    assert committed_steps(open_storage(url)) == [1, 3, 4, 5, 6]
