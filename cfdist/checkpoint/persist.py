@@ -60,7 +60,7 @@ import xxhash
 
 from cfdist.checkpoint import codecs, rejected, retention
 from cfdist.checkpoint.format import (
-    FORMAT, MANIFEST, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
+    FORMAT, MANIFEST, TMP_MARK, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
 )
 from cfdist.checkpoint.snapshot import attach_arena
 from cfdist.storage import Storage, open_storages
@@ -104,6 +104,17 @@ class PersistJob:
     """``cfdist.codecs`` to encode with (empty: the plain format)."""
     codec_session: str | None = None
     """Id of the Checkpointer: chain codecs keep references per storage and session."""
+    commit: bool = True
+    """False (a slice of a sliced checkpoint): write and fsync the shards only, into the shared
+    staging directory, and return their manifest entries as ``CommitInfo.slice``; another
+    writer commits (:mod:`cfdist.checkpoint.slices`)."""
+    slices: list[dict] | None = None
+    """Committing a sliced checkpoint: every writer's ``CommitInfo.slice``, already durable in
+    the shared staging directory; they make up the manifest's shards and tensors."""
+    staging_tag: str | None = None
+    """Sliced checkpoints: the staging directory every writer shares, ``<step dir>.tmp-<tag>``."""
+    writer: int | None = None
+    """Sliced checkpoints: the writer index recorded with each shard in the manifest."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -124,6 +135,8 @@ class CommitInfo:
     deleted: tuple[int, ...] = ()
     bytes_logical: int | None = None
     """Bytes of the tensors before codecs (``bytes`` is what the shard files hold)."""
+    slice: dict | None = None
+    """A job with ``commit=False``: its shards' and tensors' manifest entries (JSON-able)."""
 
 
 # ---- who decides a persist's fate: the writer (commit) or the waiter (abandon) ------------------
@@ -242,12 +255,17 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
         raise PersistAbandoned(f"persist of step {job.step} was given up before it started")
     # Left by a run that rolled back past this step: it would block the publish, and on object
     # stores new shards would land under its manifest. Moved aside, never deleted.
-    rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
-        job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
+    if job.commit:
+        rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
+            job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
     arenas = job.arenas
     if arenas is None:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]
-    staging = {r: storages[r].staging_dir(final) for r in {s.root for s in job.shards} | {0}}
+    arenas = {s.index: a for s, a in zip(job.shards, arenas)}
+    parts = job.slices or []
+    staging = {r: (f"{final}{TMP_MARK}{job.staging_tag}" if job.staging_tag and storages[r].atomic_rename
+                   else storages[r].staging_dir(final))
+               for r in {s.root for s in job.shards} | {0} | {sh["root"] for p in parts for sh in p["shards"]}}
     sums: dict[str, str] = {}
     enc = codecs.begin(storages, job.step, job.codecs, job.codec_session)
     written: dict[int, codecs.EncodedShard] = {}
@@ -264,22 +282,31 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
         storages[r].fsync_dir(staging[r])
         return n
 
-    roots = sorted(staging)
+    roots = sorted({s.root for s in job.shards} | {0})
     if len(roots) == 1:
         total = write_root(roots[0])
     else:
         with cf.ThreadPoolExecutor(len(roots), thread_name_prefix="cfdist-stripe") as ex:
             total = sum(ex.map(write_root, roots))
-    for r in roots:
+    shards = [{"file": shard_name(s.index, s.count), "root": s.root, "bytes": written[s.index].nbytes,
+               **({"writer": job.writer} if job.writer is not None else {})} for s in job.shards]
+    tensors = {e.name: {**e.to_json(sums[e.name]), **written[s.index].extra.get(e.name, {})}
+               for s in job.shards for e in written[s.index].entries}
+    nbytes = job.nbytes
+    if not job.commit:
+        return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total,
+                          seconds=time.perf_counter() - t0, bytes_logical=nbytes,
+                          slice={"shards": [dict(sh, index=s.index) for sh, s in zip(shards, job.shards)],
+                                 "tensors": tensors, "nbytes": nbytes, "written": total})
+    if parts:
+        shards, tensors, nbytes, total = _join_slices(storages, staging, parts, job.step)
+    for r in sorted(staging):
         if r != 0:
             storages[r].publish(staging[r], final)
     manifest = dict(job.manifest)
     manifest.update(
-        format=FORMAT, step=job.step, time=time.time(), bytes=job.nbytes, roots=len(storages),
-        shards=[{"file": shard_name(s.index, s.count), "root": s.root, "bytes": written[s.index].nbytes}
-                for s in job.shards],
-        tensors={e.name: {**e.to_json(sums[e.name]), **written[s.index].extra.get(e.name, {})}
-                 for s in job.shards for e in written[s.index].entries},
+        format=FORMAT, step=job.step, time=time.time(), bytes=nbytes, roots=len(storages),
+        shards=shards, tensors=tensors,
     )
     if enc is not None:
         manifest.update(enc.manifest_fields())
@@ -300,7 +327,23 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
                               reasons=job.rolled_back)
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
     return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total, seconds=seconds,
-                      deleted=tuple(deleted), bytes_logical=job.nbytes)
+                      deleted=tuple(deleted), bytes_logical=nbytes)
+
+
+def _join_slices(storages: list[Storage], staging: dict[int, str], parts: list[dict], step: int):
+    """The manifest's shards and tensors from every writer's slice, once each file is in place."""
+    shards = sorted((sh for p in parts for sh in p["shards"]), key=lambda sh: sh["index"])
+    if [sh["index"] for sh in shards] != list(range(len(shards))):
+        raise RuntimeError(f"the slices of step {step} do not make up a checkpoint: shards "
+                           f"{[sh['index'] for sh in shards]} (a writer used another writers= or roots)")
+    for sh in shards:
+        if not storages[sh["root"]].exists(f"{staging[sh['root']]}/{sh['file']}"):
+            raise RuntimeError(f"{storages[sh['root']].url_of(staging[sh['root']])}/{sh['file']}, written by "
+                               f"writer {sh.get('writer')} for step {step}, is gone (swept by a restart?); "
+                               f"not committing")
+    tensors = {k: v for p in parts for k, v in p["tensors"].items()}
+    return ([{k: v for k, v in sh.items() if k != "index"} for sh in shards], tensors,
+            sum(p["nbytes"] for p in parts), sum(p["written"] for p in parts))
 
 
 # ---- backends ----------------------------------------------------------------------------------
