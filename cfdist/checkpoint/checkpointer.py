@@ -13,9 +13,10 @@
 
 Call every method from the training thread. In a torch.distributed job every rank builds one
 with the same arguments and calls ``step``, ``save`` and ``restore`` at the same steps; only the
-writer rank (rank 0 by default) copies and persists tensors, and no rank issues a collective on
-the training group: ranks agree on checkpoint steps, restore steps and RNG states through the
-c10d Store (:mod:`cfdist.checkpoint.agreement`).
+writer rank (rank 0 by default) copies and persists tensors -- or, with ``writers="all"``, every
+rank its own slice of them, rank 0 committing (:mod:`cfdist.checkpoint.slices`) -- and no rank
+issues a collective on the training group: ranks agree on checkpoint steps, restore steps, RNG
+states and finished slices through the c10d Store (:mod:`cfdist.checkpoint.agreement`).
 """
 
 from __future__ import annotations
@@ -144,7 +145,11 @@ class Checkpointer:
         policy: when to checkpoint (``cfdist.Every(k)``, ``cfdist.EveryEpoch()``,
             ``cfdist.Auto()``); default ``cfdist.Auto()``.
         rank, world_size: default from torch.distributed when initialised, else 0 and 1.
-        writer: whether this process persists (default: rank 0).
+        writer: whether this process persists the whole state (default: rank 0); for
+            ``writers="node"`` only (with ``writers="all"``/N it may be left out, or must agree).
+        writers: ``"node"`` (default: the one ``writer`` writes everything), ``"all"`` (every
+            rank writes a byte-balanced slice, rank 0 commits once all are durable) or an int
+            N (ranks 0..N-1 do). Needs storage every writer sees; see :class:`CheckpointerConfig`.
         backend: ``"thread"``, ``"process"`` or a :class:`PersistBackend` (e.g. a node actor).
         restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
             e.g. an in-memory tier before and a shared tier after the node-local one.

@@ -11,7 +11,9 @@ falls in. A tensor that a cut crosses is split into byte ranges ("pieces"); ever
 stays whole, with its dtype and shape. So slices differ by at most ``ALIGN`` bytes (4 KiB: a
 page, a multiple of every element size, and the alignment O_DIRECT wants) whatever the mix of
 tensor sizes -- balancing whole tensors instead would leave one writer with a large embedding.
-A piece is stored as a 1-D ``U8`` tensor named ``<name>@bytes<start>`` (:func:`piece_name`);
+Module buffers (BatchNorm statistics: each replica's forward updates them with its own batch,
+so they are *not* identical across ranks) are pinned whole to writer 0, so the checkpoint holds
+rank 0's, as a single-writer checkpoint does. A piece is stored as a 1-D ``U8`` tensor named ``<name>@bytes<start>`` (:func:`piece_name`);
 the manifest's ``"split"`` maps each split tensor to its dtype, shape and pieces, and a reader
 joins them (:func:`join`) after every piece passed its own checksum.
 
@@ -28,7 +30,8 @@ joins them (:func:`join`) after every piece passed its own checksum.
 4. rank 0 publishes the outcome (``slices/<step>/outcome``); the other writers wait for it, so
    ``wait()``/``latest_step`` mean "committed" on every writer.
 
-A writer that dies mid-write never publishes its part: rank 0's wait times out, nothing is
+Every writer must see the same storage roots (rank 0 checks each file is in its staging
+directory before committing). A writer that dies mid-write never publishes its part: rank 0's wait times out, nothing is
 committed, the previous checkpoint stays, and the staging directory is swept at the next start.
 """
 
