@@ -225,8 +225,6 @@ class Checkpointer:
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory)
         if commits:
             discovery.sweep(self.storages)   # refuses a reordered list or an empty root 0 first
-            if self._slicer is not None:     # only now may the other writers stage files
-                slices.publish_tag(self._channel, uuid.uuid4().hex[:8])
         else:
             roots.check(self.storages, create=False)
         self._step = 0

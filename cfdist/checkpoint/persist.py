@@ -115,6 +115,11 @@ class PersistJob:
     """Sliced checkpoints: the staging directory every writer shares, ``<step dir>.tmp-<tag>``."""
     writer: int | None = None
     """Sliced checkpoints: the writer index recorded with each shard in the manifest."""
+    clear: bool = True
+    """First make room for the step (a committed step directory of the same number is moved
+    aside, an uncommitted one removed). Sliced checkpoints do it once, in a job of their own
+    (``commit=False``, no shards) before any writer starts: on object stores the slices are
+    written under the final prefix, which a later clearing would delete."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -255,9 +260,11 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
         raise PersistAbandoned(f"persist of step {job.step} was given up before it started")
     # Left by a run that rolled back past this step: it would block the publish, and on object
     # stores new shards would land under its manifest. Moved aside, never deleted.
-    if job.commit:
+    if job.clear:
         rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
             job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
+    if not (job.commit or job.shards):   # only the clearing
+        return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=0, seconds=time.perf_counter() - t0)
     arenas = job.arenas
     if arenas is None:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]

@@ -19,9 +19,11 @@ joins them (:func:`join`) after every piece passed its own checksum.
 
 **The protocol** (:class:`SliceBackend`, one per writer, on its persist thread):
 
-1. rank 0 sweeps the roots at start, then publishes a staging tag (``slices/tag``); every writer
-   writes its shard files (one per root: striping and slicing together) into the shared staging
-   directory ``step-XXXXXXXXX.tmp-<tag>`` of each root, and fsyncs them;
+1. rank 0 (which swept the roots when its Checkpointer started) makes room for the step (a
+   stale step directory of that number is moved aside or removed), then publishes
+   ``slices/<step>/go`` with a staging tag; only then every writer writes its shard files (one
+   per root: striping and slicing together) into the shared staging directory
+   ``step-XXXXXXXXX.tmp-<tag>`` of each root (on object stores: the final prefix), and fsyncs them;
 2. writers 1..N-1 publish their part of the manifest (``slices/<step>/<w>``: files, roots,
    tensor entries) through the c10d Store, or the error that stopped them;
 3. rank 0 writes its own slice, waits (``agree_timeout_s``) for every other part, checks every
@@ -41,6 +43,7 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import logging
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -217,11 +220,6 @@ class SliceError(RuntimeError):
     """A sliced persist did not commit: a writer failed, died or timed out."""
 
 
-def publish_tag(channel, tag: str) -> None:
-    """Rank 0, after sweeping the roots: the staging tag every writer of this Checkpointer uses."""
-    channel.set("slices/tag", tag.encode())
-
-
 def global_shards(index: int, layout: list[list[TensorEntry]], writers: int) -> list[tuple[int, list[TensorEntry]]]:
     """``(global shard index, entries)`` of writer ``index``'s shards: its shard ``j`` (root ``j``)
     is shard ``index * R + j`` of ``writers * R``, and the entries name that shard."""
@@ -244,22 +242,33 @@ class SliceBackend:
         self.inner, self.ch, self.index, self.writers = inner, channel, index, writers
         self.needs_shared_memory = inner.needs_shared_memory
         self._pending = FuturePending
-        self._tag: str | None = None
+        self._tag = uuid.uuid4().hex[:8]
         self._outcomes: list[int] = []   # writer 0: outcome keys that every writer read already
         self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-slice")
 
-    def _staging_tag(self) -> str:
-        if self._tag is None:
-            raw, = self.ch.get_all(["slices/tag"], what="rank 0's staging tag for sliced checkpoints",
-                                   fix="rank 0 must build its Checkpointer with the same writers= (it "
-                                       "sweeps the roots first)")
-            self._tag = raw.decode()
-        return self._tag
+    def _go(self, job) -> str:
+        """The step's staging tag, once rank 0 made room for the step (rank 0: does it)."""
+        step = job.step
+        if self.index == 0:
+            try:
+                self.inner.submit(dataclasses.replace(job, shards=[], arenas=[], commit=False)).wait()
+            except BaseException as e:
+                self._report(step, {"error": f"rank 0 could not prepare step {step}: {type(e).__name__}: {e}"})
+                self.ch.set(f"slices/{step}/go", json.dumps({"error": "see outcome"}).encode())
+                raise
+            self.ch.set(f"slices/{step}/go", json.dumps({"tag": self._tag}).encode())
+            return self._tag
+        raw, = self.ch.get_all([f"slices/{step}/go"], what=f"rank 0's go for writing step {step}",
+                               fix="rank 0 may have died or stalled, or it was built with another writers=")
+        go = json.loads(raw)
+        if "tag" not in go:
+            raise SliceError(f"step {step} is not written: rank 0 could not prepare it")
+        return go["tag"]
 
     def _run(self, job):
         step = job.step
-        job.staging_tag = self._staging_tag()
-        own = dataclasses.replace(job, commit=False, writer=self.index)
+        job.staging_tag = self._go(job)
+        own = dataclasses.replace(job, commit=False, writer=self.index, clear=False)
         try:
             mine = self.inner.submit(own).wait()
         except BaseException as e:
@@ -293,13 +302,14 @@ class SliceBackend:
             bad = [p["error"] for p in parts if "error" in p]
             if bad:
                 raise SliceError(f"step {step} is not committed: " + "; ".join(bad))
-            final = dataclasses.replace(job, shards=[], arenas=[], commit=True, slices=[mine.slice] + parts)
+            final = dataclasses.replace(job, shards=[], arenas=[], commit=True, clear=False,
+                                        slices=[mine.slice] + parts)
             info = self.inner.submit(final).wait()
         except BaseException as e:
             self._report(step, {"error": f"{type(e).__name__}: {e}"})
             raise
         finally:
-            self.ch.delete(others)
+            self.ch.delete(others + [f"slices/{step}/go"])   # every writer read its go before its slice
         self._report(step, {"ok": True})
         for s in self._outcomes:   # every writer read it before writing the step just committed
             self.ch.delete([f"slices/{s}/outcome"])
