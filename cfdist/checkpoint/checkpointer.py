@@ -70,7 +70,8 @@ class CheckpointerConfig:
     failed (``stats``, log, ``wait()``), its writer can no longer commit it, training goes on,
     and the next checkpoint is written by a fresh writer into fresh snapshot buffers (the hung
     writer keeps the old ones: one state's size of host memory per hung write). None: wait
-    forever. Applies to the ``"thread"`` and ``"process"`` backends."""
+    forever. Applies to the ``"thread"`` and ``"process"`` backends with one writer (with
+    ``writers="all"``/N rank 0 gives a step up when a slice is missing after ``agree_timeout_s``)."""
     read_retry: RetryPolicy = RetryPolicy()
     """How storage errors while listing or reading checkpoints are retried before restore raises
     (they never make it fall back to an older checkpoint; see :mod:`cfdist.checkpoint.retry`)."""
@@ -217,6 +218,10 @@ class Checkpointer:
         if self._slicer is not None and self.writer:
             self.backend = slices.SliceBackend(self.backend, self._channel, index=self.rank,
                                                writers=self._slicer.writers)
+            if persist_timeout_s is not None:
+                log.warning("persist_timeout_s=%s cannot give up a slice of a sliced checkpoint (writers=%r); "
+                            "rank 0 gives a step up after agree_timeout_s=%s when a slice does not arrive",
+                            persist_timeout_s, writers, self.config.agree_timeout_s)
         if self._channel is not None:
             self._rngx = agreement.RngExchange(self._channel, writer=commits)
             if commits:

@@ -239,9 +239,10 @@ def test_writer_killed_mid_write_leaves_step_uncommitted(tmp_path, capsys):
     assert shown["writers"] == 2 and shown["verified"] and shown["state"]["model"]["tensors"] == 9
 
 
-def _two_writers(urls, steps, restore=None):
-    """Train identical models on two threads (ranks 0 and 1) with writers='all', Every(2).
-    Returns the state_dicts at each checkpoint step (the same on both ranks)."""
+def _two_writers(urls, steps, restore=None, world=2, writers="all", stats=None):
+    """Train identical models on ``world`` threads (ranks 0, 1, ...) with ``writers``, Every(2).
+    Returns the state_dicts at each checkpoint step (the same on every rank); ``stats``: a
+    dict that receives each rank's ``ckpt.stats``."""
     store = torch.distributed.HashStore()
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(64, 128))   # 3 x 33 KB with Adam: the cut splits exp_avg
@@ -253,7 +254,7 @@ def _two_writers(urls, steps, restore=None):
             model = copy.deepcopy(base)
             opt = torch.optim.Adam(model.parameters(), lr=0.1)
             ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, urls, cfdist.Every(2), rank=r,
-                                       world_size=2, store=store, writers="all", agree_timeout_s=60)
+                                       world_size=world, store=store, writers=writers, agree_timeout_s=60)
             if restore is not None:
                 assert ckpt.restore(step=restore) == restore
             for i in range(steps):
@@ -263,10 +264,12 @@ def _two_writers(urls, steps, restore=None):
                 if r == 0 and ckpt.step_count % 2 == 0:
                     at[ckpt.step_count] = {k: v.clone() for k, v in model.state_dict().items()}
             ckpt.close()
+            if stats is not None:
+                stats[r] = ckpt.stats
         except BaseException as e:  # noqa: BLE001 - re-raised by the test thread
             errors.append(e)
 
-    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in ts:
         t.start()
     for t in ts:
@@ -325,3 +328,17 @@ def test_sliced_checkpoints_on_every_backend_and_after_a_rollback(storage_url):
     got = cfdist.load(storage_url)["state"]["model"]
     assert all(torch.equal(got[k], v) for k, v in again[4].items())
     assert not all(torch.equal(got[k], v) for k, v in first[4].items())   # other data: another state
+
+
+def test_writers_n_lets_the_first_n_ranks_write(tmp_path):
+    """``writers=2`` in a world of 3 (threads and a HashStore, as above): ranks 0 and 1 write a
+    half each, rank 2 writes nothing; the checkpoint loads equal to the model."""
+    url = f"file://{tmp_path / 'ckpt'}"
+    stats: dict = {}
+    at = _two_writers([url], steps=2, world=3, writers=2, stats=stats)
+    m = json.loads((tmp_path / "ckpt" / "step-000000002" / "MANIFEST.json").read_text())
+    assert m["slicing"]["writers"] == 2 and sorted(s["writer"] for s in m["shards"]) == [0, 1]
+    assert stats[2]["bytes"] == 0 and stats[0]["bytes"] > 0 and stats[1]["bytes"] > 0
+    assert [stats[r]["checkpoints"] for r in range(3)] == [1, 1, 0]
+    got = cfdist.load(url)["state"]["model"]
+    assert all(torch.equal(got[k], v) for k, v in at[2].items())
