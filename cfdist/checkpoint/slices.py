@@ -43,6 +43,7 @@ import concurrent.futures as cf
 import dataclasses
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -267,10 +268,13 @@ class SliceBackend:
 
     def _run(self, job):
         step = job.step
+        t0 = time.perf_counter()
         job.staging_tag = self._go(job)
         own = dataclasses.replace(job, commit=False, writer=self.index, clear=False)
+        self._t = [t0, time.perf_counter()]
         try:
             mine = self.inner.submit(own).wait()
+            self._t.append(time.perf_counter())
         except BaseException as e:
             self._report(step, {"error": f"writer {self.index} failed: {type(e).__name__}: {e}"})
             raise
@@ -304,6 +308,7 @@ class SliceBackend:
                 raise SliceError(f"step {step} is not committed: " + "; ".join(bad))
             final = dataclasses.replace(job, shards=[], arenas=[], commit=True, clear=False,
                                         slices=[mine.slice] + parts)
+            self._t.append(time.perf_counter())
             info = self.inner.submit(final).wait()
         except BaseException as e:
             self._report(step, {"error": f"{type(e).__name__}: {e}"})
@@ -311,6 +316,9 @@ class SliceBackend:
         finally:
             self.ch.delete(others + [f"slices/{step}/go"])   # every writer read its go before its slice
         self._report(step, {"ok": True})
+        t = self._t + [time.perf_counter()]
+        log.debug("step %d committed by %d writers: go %.3fs, own slice %.3fs (%d bytes), others %.3fs, "
+                  "commit %.3fs", step, self.writers, t[1] - t[0], t[2] - t[1], mine.bytes, t[3] - t[2], t[4] - t[3])
         for s in self._outcomes:   # every writer read it before writing the step just committed
             self.ch.delete([f"slices/{s}/outcome"])
         self._outcomes = [step]
