@@ -16,6 +16,11 @@ writer thread, a writer subprocess, a Ray node actor):
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
+A sliced checkpoint (``writers="all"``, :mod:`cfdist.checkpoint.slices`) runs the same function
+in parts: step 0 alone (rank 0), step 1 for each writer's slice (``commit=False``: its entries
+come back in ``CommitInfo.slice``), then steps 2-4 by rank 0 with every slice's entries
+(``slices=``), after checking each file is in place.
+
 **Hung writes.** A write that blocks (a dead NFS server, an object store that stops answering)
 is given up after the Checkpointer's ``persist_timeout_s``: the waiter :meth:`CommitGate.abandon`\ s
 the job's gate, and the writer must :meth:`CommitGate.claim` that same gate right before its
@@ -62,6 +67,7 @@ from cfdist.checkpoint import codecs, rejected, retention
 from cfdist.checkpoint.format import (
     FORMAT, MANIFEST, TMP_MARK, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
 )
+from cfdist.checkpoint.slices import SliceError
 from cfdist.checkpoint.snapshot import attach_arena
 from cfdist.storage import Storage, open_storages
 
@@ -341,11 +347,11 @@ def _join_slices(storages: list[Storage], staging: dict[int, str], parts: list[d
     """The manifest's shards and tensors from every writer's slice, once each file is in place."""
     shards = sorted((sh for p in parts for sh in p["shards"]), key=lambda sh: sh["index"])
     if [sh["index"] for sh in shards] != list(range(len(shards))):
-        raise RuntimeError(f"the slices of step {step} do not make up a checkpoint: shards "
+        raise SliceError(f"the slices of step {step} do not make up a checkpoint: shards "
                            f"{[sh['index'] for sh in shards]} (a writer used another writers= or roots)")
     for sh in shards:
         if not storages[sh["root"]].exists(f"{staging[sh['root']]}/{sh['file']}"):
-            raise RuntimeError(f"{storages[sh['root']].url_of(staging[sh['root']])}/{sh['file']}, written by "
+            raise SliceError(f"{storages[sh['root']].url_of(staging[sh['root']])}/{sh['file']}, written by "
                                f"writer {sh.get('writer')} for step {step}, is gone (swept by a restart?); "
                                f"not committing")
     tensors = {k: v for p in parts for k, v in p["tensors"].items()}
