@@ -239,7 +239,7 @@ def test_writer_killed_mid_write_leaves_step_uncommitted(tmp_path, capsys):
     assert shown["writers"] == 2 and shown["verified"] and shown["state"]["model"]["tensors"] == 9
 
 
-def _two_writers(urls, steps, restore=None, world=2, writers="all", stats=None):
+def _two_writers(urls, steps, restore=None, world=2, writers="all", stats=None, buffers=1, every=2):
     """Train identical models on ``world`` threads (ranks 0, 1, ...) with ``writers``, Every(2).
     Returns the state_dicts at each checkpoint step (the same on every rank); ``stats``: a
     dict that receives each rank's ``ckpt.stats``."""
@@ -253,15 +253,16 @@ def _two_writers(urls, steps, restore=None, world=2, writers="all", stats=None):
         try:
             model = copy.deepcopy(base)
             opt = torch.optim.Adam(model.parameters(), lr=0.1)
-            ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, urls, cfdist.Every(2), rank=r,
-                                       world_size=world, store=store, writers=writers, agree_timeout_s=60)
+            ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, urls, cfdist.Every(every), rank=r,
+                                       world_size=world, store=store, writers=writers, agree_timeout_s=60,
+                                       buffers=buffers, keep=steps)
             if restore is not None:
                 assert ckpt.restore(step=restore) == restore
             for i in range(steps):
                 model(torch.randn(4, 64, generator=torch.Generator().manual_seed(i))).sum().backward()
                 ckpt.step(opt)
                 opt.zero_grad()
-                if r == 0 and ckpt.step_count % 2 == 0:
+                if r == 0 and ckpt.step_count % every == 0:
                     at[ckpt.step_count] = {k: v.clone() for k, v in model.state_dict().items()}
             ckpt.close()
             if stats is not None:
@@ -342,3 +343,17 @@ def test_writers_n_lets_the_first_n_ranks_write(tmp_path):
     assert [stats[r]["checkpoints"] for r in range(3)] == [1, 1, 0]
     got = cfdist.load(url)["state"]["model"]
     assert all(torch.equal(got[k], v) for k, v in at[2].items())
+
+
+def test_sliced_and_double_buffered_checkpoints_commit_every_step_in_order(tmp_path):
+    """``writers="all"`` with ``buffers=2`` at k = 1 (threads and a HashStore, as above), striped
+    over 2 roots: every step commits, in order, and each loads equal to the model at that step
+    (a slice written from the other buffer set would show as another step's values)."""
+    urls = [f"file://{tmp_path / 'r0'}", f"file://{tmp_path / 'r1'}"]
+    stats: dict = {}
+    at = _two_writers(urls, steps=6, buffers=2, every=1, stats=stats)
+    assert [c["step"] for c in cfdist.list_checkpoints(urls)] == [1, 2, 3, 4, 5, 6]
+    assert stats[0]["buffers"] == 2 and stats[0]["checkpoints"] == 6
+    for step in range(1, 7):
+        got = cfdist.load(urls, step=step)["state"]["model"]
+        assert all(torch.equal(got[k], v) for k, v in at[step].items()), step
