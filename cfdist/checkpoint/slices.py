@@ -163,6 +163,10 @@ class Slicer:
                 early.add(p.key)
         return out, early
 
+    def pieces(self, writer: int) -> list[Piece]:
+        """The pieces ``writer`` writes in the current plan (after :meth:`select`)."""
+        return list(self._plan[writer])
+
     def nbytes(self) -> list[int]:
         """Bytes per writer in the current plan."""
         return [sum(p.nbytes for p in mine) for mine in self._plan]

@@ -60,6 +60,19 @@ class FitConfig:
     """Persist every checkpoint to the node-local ``storage`` (False: memory + shared only)."""
     shared_every: int = 10
     """Copy every n-th checkpoint of node 0 to ``shared_storage`` (and always the final one)."""
+    shared_writers: str | int = "all"
+    """Which nodes upload a shared-tier checkpoint. ``"all"``: node 0's actor splits it into
+    byte-balanced slices (:mod:`cfdist.checkpoint.slices`) and each node of the group that holds
+    the step uploads one slice from its own node-local copy, in parallel; node 0 writes its
+    slice plus every tensor that differs between the nodes' copies (module buffers such as
+    BatchNorm statistics) and commits once all slices are durable. A peer that fails or does
+    not answer within ``shared_slice_timeout_s`` leaves that step uncommitted on the shared
+    tier (the previous one stays) and node 0 uploads whole from then on, until the next
+    restart of the group. ``N``: the first N nodes. ``1``: node 0 uploads every byte (the
+    behaviour before slicing). Each node-local tier always keeps its full copy."""
+    shared_slice_timeout_s: float = 600.0
+    """How long node 0 waits for its peers' slices of a shared-tier upload before giving the
+    step up (it then uploads whole)."""
     peer_copy: bool = True
     """Give a replacement node the chosen checkpoint from a surviving node's actor (else: only
     shared storage can seed it)."""
@@ -126,7 +139,11 @@ class FitConfig:
         if self.min_nodes > self.num_nodes:
             raise ValueError(f"min_nodes={self.min_nodes} exceeds num_nodes={self.num_nodes}; "
                              f"use min_nodes <= num_nodes")
-        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s", "sigterm_grace_s"):
+        w = self.shared_writers
+        if not (w == "all" or (isinstance(w, int) and not isinstance(w, bool) and w >= 1)):
+            raise ValueError(f"shared_writers must be 'all' or an int >= 1 (how many nodes upload a slice of a "
+                             f"shared-tier checkpoint), got {w!r}; pass 1 to let node 0 upload alone")
+        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s", "sigterm_grace_s", "shared_slice_timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")

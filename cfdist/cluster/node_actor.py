@@ -11,6 +11,15 @@ GIL shared with training, no copy through the object store):
 2. the **local** tier: the node-local disk(s) of ``FitConfig.storage``;
 3. every ``shared_every``-th checkpoint (when this node is the group's node 0), the **shared**
    tier, copied from the memory/local copy on a background thread so the arenas are free at once.
+   With ``FitConfig.shared_writers="all"`` (or N >= 2) the upload is split: node 0's actor plans
+   byte-balanced slices (:class:`~cfdist.checkpoint.slices.Slicer`) over the step's tensors,
+   pins whole to itself every tensor whose checksum differs between the nodes' copies (module
+   buffers: BatchNorm statistics differ between replicas), asks each peer actor holding the
+   step to upload one slice from its own node copy (:meth:`upload_slice`: a Ray call whose
+   return value is the slice's manifest entries), writes its own slice, and commits once every
+   slice is durable (:func:`~cfdist.checkpoint.persist.write_checkpoint` with ``slices=``).
+   A peer that fails, dies or times out leaves the step uncommitted there (the previous one
+   stays); node 0 then uploads whole until the next attempt.
 
 The training rank's pending handle completes after (1) and (2). The driver asks the actor for
 its committed steps during recovery (:meth:`holdings`, which first waits out a persist in
@@ -30,9 +39,14 @@ import os
 import shutil
 import threading
 import time
+import uuid
 
-from cfdist.checkpoint.discovery import committed_steps, is_committed, sweep
-from cfdist.checkpoint.persist import CommitInfo, PersistJob, pid_alive, write_checkpoint
+import torch
+
+from cfdist.checkpoint import slices
+from cfdist.checkpoint.discovery import committed_steps, is_committed, read_manifest, read_tensors, sweep
+from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TensorEntry
+from cfdist.checkpoint.persist import CommitInfo, PersistJob, ShardJob, pid_alive, write_checkpoint
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
 from cfdist.storage import open_storages
@@ -88,6 +102,9 @@ class NodeCheckpointer:
         self._ev_lock = threading.Lock()
         self._attempt = 0
         self._shared_writer = False
+        self._peers: list = []
+        self._whole_only = False   # a sliced upload failed this attempt: upload whole
+        self._flushers = 0
         self._commits = 0
         self._mem_dir = None
         self.mem = self.local = self.shared = None
@@ -131,12 +148,16 @@ class NodeCheckpointer:
                 "local": [s.url for s in self.local] if self.local else None,
                 "shared": self.shared[0].url if self.shared else None}
 
-    def begin_attempt(self, attempt: int, *, shared_writer: bool, dead_pids: list[int] = ()) -> None:
+    def begin_attempt(self, attempt: int, *, shared_writer: bool, dead_pids: list[int] = (),
+                      peers: list = ()) -> None:
         """Called by the controller before a (re)started group runs: persists from older
-        attempts are refused from now on; arenas of dead workers are removed."""
+        attempts are refused from now on; arenas of dead workers are removed. ``peers``: the
+        other nodes' actors of the group (node 0 asks them for slices of shared uploads)."""
         with self._lock:
             self._attempt = attempt
             self._shared_writer = shared_writer
+            self._peers = list(peers)
+            self._whole_only = False
         self.forget_workers(dead_pids)
 
     def forget_workers(self, pids) -> int:
@@ -208,13 +229,7 @@ class NodeCheckpointer:
                     return
                 step = self._shared_want
             try:
-                frozen = self._freeze_newest(step)
-                if frozen is not None:
-                    t0 = time.perf_counter()
-                    transfer.commit_frozen(frozen, step, self.shared, source=f"node {self.node_name}",
-                                           keep=self.config.keep)
-                    self._event("checkpoint_committed", step=step, tier="shared",
-                                bytes=transfer.nbytes(frozen), persist_s=round(time.perf_counter() - t0, 6))
+                self._upload(step)
                 err = None
             except Exception as e:  # noqa: BLE001 - reported, retried with the next checkpoint
                 err = f"{type(e).__name__}: {e}"
@@ -223,6 +238,140 @@ class NodeCheckpointer:
                 self._shared_done = step
                 self._shared_error = err
                 self._shared_cv.notify_all()
+
+    def _upload(self, step: int) -> None:
+        """Put committed ``step`` of this node into the shared tier: in slices with the peers
+        (``shared_writers``), else whole; a failed sliced upload is logged, commits nothing, and
+        makes every later upload of this attempt whole (a waiting flush retries whole at once)."""
+        t0 = time.perf_counter()
+        n = self.config.shared_writers
+        peers = self._peers if n == "all" else self._peers[:max(0, n - 1)]
+        if peers and not self._whole_only:
+            try:
+                info = self._upload_sliced(step, peers)
+            except slices.SliceError as e:
+                self._whole_only = True
+                log.warning("node %s: sliced upload of step %d to %s not committed (%s); the previous "
+                            "shared checkpoint stays, node %s uploads whole from now on", self.node_name,
+                            step, self.shared[0].url, e, self.node_name)
+                self._event("shared_slices_failed", step=step, error=str(e))
+                if not self._flushers:
+                    raise
+            else:
+                if info is not None:
+                    self._event("checkpoint_committed", step=step, tier="shared", bytes=info["bytes"],
+                                writers=info["writers"], persist_s=round(time.perf_counter() - t0, 6))
+                return
+        frozen = self._freeze_newest(step)
+        if frozen is not None:
+            transfer.commit_frozen(frozen, step, self.shared, source=f"node {self.node_name}",
+                                   keep=self.config.keep)
+            self._event("checkpoint_committed", step=step, tier="shared", writers=1,
+                        bytes=transfer.nbytes(frozen), persist_s=round(time.perf_counter() - t0, 6))
+
+    def _read_node_copy(self, step: int, names: set[str] | None = None):
+        """``(manifest, tensors)`` of committed ``step`` from this node's fastest tier holding
+        it (checksums verified), read under the lock so retention cannot delete it meanwhile;
+        ``tensors`` only when ``names`` is given (those, whole). None: no tier holds it."""
+        with self._lock:
+            for sts in self._node_tiers():
+                if is_committed(sts[0], step):
+                    m = read_manifest(sts, step)
+                    return m, (read_tensors(sts, step, m, names=names) if names is not None else None)
+        return None
+
+    def step_sums(self, step: int) -> dict[str, str] | None:
+        """Each tensor's checksum in this node's copy of ``step`` (None: no copy, or one that
+        cannot be sliced: encoded by codecs)."""
+        got = self._read_node_copy(step)
+        if got is None or got[0].get("codecs"):
+            return None
+        return {k: t.get("xxh3") for k, t in got[0]["tensors"].items()}
+
+    def upload_slice(self, step: int, index: int, writers: int, pieces: list, sums: dict[str, str],
+                     tag: str) -> dict:
+        """Write slice ``index`` of ``writers`` of committed ``step`` (its ``pieces``) from this
+        node's copy into the shared tier's staging directory ``tag``; fsynced, not committed.
+
+        ``sums``: the checksums node 0 holds for the tensors of these pieces; a copy that differs
+        is refused. Returns the slice's manifest entries (``CommitInfo.slice``)."""
+        t0 = time.perf_counter()
+        names = {p.name for p in pieces}
+        got = self._read_node_copy(step, names)
+        if got is None:
+            raise FileNotFoundError(f"node {self.node_name} holds no committed step {step} to upload a slice of")
+        m, tensors = got
+        differ = sorted(n for n in names if m["tensors"].get(n, {}).get("xxh3") != sums.get(n))
+        if differ:
+            raise slices.SliceError(f"node {self.node_name}'s step {step} differs from node 0's in {differ[:3]}")
+        entries, bufs, off = [], [], 0
+        for p in pieces:
+            t = tensors[p.name]
+            b = slices.bytes_of(t)[p.start:p.stop]
+            dtype, shape = (t.dtype, tuple(t.shape)) if p.whole else (torch.uint8, (p.nbytes,))
+            entries.append(TensorEntry(name=p.key, shard=0, dtype=dtype, shape=shape, offset=off, nbytes=p.nbytes))
+            bufs.append(b)
+            off += p.nbytes
+        arena = torch.cat(bufs) if bufs else torch.empty(0, dtype=torch.uint8)
+        (g, es), = slices.global_shards(index, [entries], writers)
+        job = PersistJob(step=step, manifest={}, arenas=[arena], commit=False, staging_tag=tag, writer=index,
+                         clear=False, shards=[ShardJob(index=g, count=writers, root=0, nbytes=off, entries=es)])
+        info = write_checkpoint(self.shared, job)
+        self._event("shared_slice_written", step=step, writer=index, bytes=info.bytes,
+                    seconds=round(time.perf_counter() - t0, 6))
+        return info.slice
+
+    def _upload_sliced(self, step: int, peers: list) -> dict | None:
+        """Node 0's side of a sliced shared upload (see the module docstring). Returns
+        ``{"bytes", "writers"}``, or None when the shared tier holds this very checkpoint
+        already; raises :class:`~cfdist.checkpoint.slices.SliceError` when it did not commit."""
+        import ray
+
+        got = self._read_node_copy(step)
+        if got is None:
+            return None
+        m0 = got[0]
+        if m0.get("codecs") or m0.get("split"):
+            raise slices.SliceError(f"step {step} is encoded by codecs or already sliced; it is uploaded whole")
+        if transfer.holds_same(self.shared, step, m0):
+            return None
+        timeout = self.config.shared_slice_timeout_s
+        try:
+            theirs = ray.get([p.step_sums.remote(step) for p in peers], timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - a peer that cannot answer: this step goes whole
+            raise slices.SliceError(f"asking the peers for their copies of step {step} failed: "
+                                    f"{type(e).__name__}: {e}") from e
+        mine = {k: t.get("xxh3") for k, t in m0["tensors"].items()}
+        helpers = [p for p, s in zip(peers, theirs) if s is not None]
+        if not helpers:
+            raise slices.SliceError(f"no peer holds step {step}")
+        writers = 1 + len(helpers)
+        # what is not identical on every node (module buffers) is node 0's, written by node 0
+        pinned = {k for k, v in mine.items() if v is None or any(s is not None and s.get(k) != v for s in theirs)}
+        meta = {k: torch.empty(t["shape"], dtype=ST_TO_TORCH[t["dtype"]], device="meta")
+                for k, t in m0["tensors"].items()}
+        slicer = slices.Slicer(0, writers)
+        slicer.select(meta, pinned)
+        tag = uuid.uuid4().hex[:8]
+        base = dict(step=step, keep=self.config.keep, staging_tag=tag)
+        write_checkpoint(self.shared, PersistJob(manifest={}, shards=[], arenas=[], commit=False, **base))
+        refs = [h.upload_slice.remote(step, w, writers, slicer.pieces(w),
+                                      {p.name: mine[p.name] for p in slicer.pieces(w)}, tag)
+                for w, h in enumerate(helpers, start=1)]
+        own = self.upload_slice(step, 0, writers, slicer.pieces(0), mine, tag)
+        try:
+            parts = ray.get(refs, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - a failed, dead or stalled peer: the step is not committed
+            for r in refs:
+                ray.cancel(r, force=False)
+            raise slices.SliceError(f"a peer's slice of step {step} did not arrive: {type(e).__name__}: {e}") from e
+        manifest = {k: v for k, v in m0.items()
+                    if k not in ("format", "step", "time", "bytes", "roots", "shards", "tensors", SEAL)}
+        manifest.update(slicing={"writers": writers, "align": slices.ALIGN, "by": "nodes"}, split=slicer.split,
+                        source_time=m0.get("time"))
+        info = write_checkpoint(self.shared, PersistJob(manifest=manifest, shards=[], arenas=[], commit=True,
+                                                        clear=False, slices=[own] + parts, **base))
+        return {"bytes": info.bytes, "writers": writers}
 
     def flush_local(self) -> int | None:
         """Copy the memory tier's newest step to the local tier when it is newer (``memory_every``
@@ -252,10 +401,19 @@ class NodeCheckpointer:
             if not steps:
                 return None
             step = max(steps)
-        self._want_shared(step)
         with self._shared_cv:
-            ok = self._shared_cv.wait_for(lambda: self._shared_done is not None and self._shared_done >= step,
-                                          timeout=timeout_s)
+            self._flushers += 1   # a sliced upload that fails now is retried whole at once
+            if self._shared_error is not None and self._shared_done == step:
+                self._shared_done = None   # its earlier copy failed: copy it again
+        try:
+            self._want_shared(step)
+            with self._shared_cv:
+                ok = self._shared_cv.wait_for(lambda: self._shared_done is not None and self._shared_done >= step,
+                                              timeout=timeout_s)
+        finally:
+            with self._shared_cv:
+                self._flushers -= 1
+        with self._shared_cv:
             if not ok:
                 raise TimeoutError(f"copying step {step} to {self.shared[0].url} took more than {timeout_s}s")
             if self._shared_error:

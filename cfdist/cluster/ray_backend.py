@@ -268,7 +268,9 @@ class RayBackend:
     def start_group(self, nodes: list[NodeInfo], choice: RestoreChoice, attempt: int,
                     dead_pids: list[int]) -> RayWorkerGroup:
         self._ensure_actors(nodes)
-        ray.get([self.actors[n.node_id].begin_attempt.remote(attempt, shared_writer=(i == 0), dead_pids=dead_pids)
+        peers = [self.actors[n.node_id] for n in nodes[1:]]   # node 0 asks them for shared-upload slices
+        ray.get([self.actors[n.node_id].begin_attempt.remote(attempt, shared_writer=(i == 0), dead_pids=dead_pids,
+                                                             peers=peers if i == 0 else [])
                  for i, n in enumerate(nodes)], timeout=_CALL_S)
         if self._fn_ref is None:
             self._fn_ref = ray.put(self.train_fn)

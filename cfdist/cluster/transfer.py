@@ -66,6 +66,20 @@ def _sums(m: dict) -> dict:
     return {k: t.get("xxh3") for k, t in m["tensors"].items()}
 
 
+def holds_same(dst: list[Storage], step: int, manifest: dict) -> bool:
+    """Whether ``dst`` has committed this very checkpoint of ``step`` (``manifest``: the
+    source's), as a whole copy or as slices uploaded by several nodes (same time and checksums,
+    or, sliced, the same ``source_time``)."""
+    if not is_committed(dst[0], step):   # by key: a lagging listing may hide it
+        return False
+    try:
+        here = read_manifest(dst, step)
+    except CheckpointError:
+        return False
+    return ((here.get("time"), _sums(here)) == (manifest.get("time"), _sums(manifest))
+            or (here.get("split") is not None and here.get("source_time") == manifest.get("time")))
+
+
 def commit_frozen(frozen: Frozen, step: int, dst: list[Storage], *, source: str, keep: int) -> bool:
     """Commit a frozen checkpoint into ``dst`` (blocking); then apply retention there.
 
@@ -73,14 +87,8 @@ def commit_frozen(frozen: Frozen, step: int, dst: list[Storage], *, source: str,
     different checkpoint of the same step there (from a run that rolled back past it) is moved
     aside to ``rejected/``; a leftover uncommitted directory of the same step is removed.
     """
-    if is_committed(dst[0], step):   # by key: a lagging listing may hide it
-        try:
-            here = read_manifest(dst, step)
-        except CheckpointError:
-            here = None
-        there = read_manifest([FrozenRoot(f, f"{source}#root{i}") for i, f in enumerate(frozen)], step)
-        if here is not None and (here.get("time"), _sums(here)) == (there.get("time"), _sums(there)):
-            return False
+    if holds_same(dst, step, read_manifest([FrozenRoot(f, f"{source}#root{i}") for i, f in enumerate(frozen)], step)):
+        return False
     rejected.clear_for_commit(dst, step, why=f"a different checkpoint of step {step} arrived from {source} "
                                              f"(the run rolled back past this one)")
     copy_checkpoint([FrozenRoot(f, f"{source}#root{i}") for i, f in enumerate(frozen)], step, dst)

@@ -28,6 +28,7 @@ import ray.cloudpickle
 import torch
 
 import cluster_loops
+import cfdist
 from cluster_loops import check_exactly_once, train_loop, wait_for
 
 from cfdist import Every, load
@@ -302,3 +303,129 @@ def test_rerun_after_the_driver_was_killed_continues_from_the_newest_commit(fake
         shutil.copy(p, out / p.name)
     check_exactly_once(str(out), STEPS)
     assert not left & set(glob.glob("/dev/shm/cfdist-driver-*")), "the re-run did not free the killed run's memory tier"
+
+
+# ---- the shared tier uploaded in slices by every node's actor ----------------------------------------
+
+def _loaded(url, step):
+    from cfdist.checkpoint.discovery import load_verified
+    from cfdist.storage import open_storages
+
+    return load_verified(open_storages(url), step)
+
+
+def test_shared_upload_is_sliced_between_the_node_actors(fake_cluster, tmp_path):
+    """A 2-node fit with a shared tier at every checkpoint (``shared_writers="all"``, the
+    default): the final shared checkpoint has shard files written by both node actors (the
+    manifest's ``writer`` fields), and loads bit-exact equal to node 0's full node-local copy
+    of that step, which is what node 0 alone would have uploaded (tensors, RNG, data state)."""
+    fake_cluster.ensure_workers(2)
+    result, out = _fit(fake_cluster, tmp_path, "sliced", shared_storage=f"file://{tmp_path}/shared", shared_every=1)
+    assert result.failures == 0 and result.final_step == STEPS
+    check_exactly_once(str(out), STEPS)
+    m, tensors = _loaded(f"file://{tmp_path}/shared/sliced", STEPS)
+    assert {sh["writer"] for sh in m["shards"]} == {0, 1} and m["slicing"]["writers"] == 2
+    copies = [_loaded(f"file://{d}/sliced", STEPS) for d in sorted(glob.glob(str(tmp_path / "*" / "local")))]
+    assert len(copies) == 2
+    storage_fields = {"format", "step", "time", "bytes", "roots", "shards", "tensors", "manifest_xxh3"}
+    node0 = [(cm, ct) for cm, ct in copies if all(m.get(k) == v for k, v in cm.items() if k not in storage_fields)]
+    assert node0, "the shared checkpoint's per-rank state (RNG, data, late state) must be node 0's"
+    cm, ct = node0[0]
+    assert ct.keys() == tensors.keys() and all(torch.equal(ct[k], tensors[k]) for k in ct)
+    commits = [r for r in _records(tmp_path / "sliced.jsonl") if r.get("event") == "checkpoint_committed"
+               and r.get("tier") == "shared"]
+    assert EVERY in {r["step"] for r in commits}
+
+
+def _bn_state():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 256))
+    return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+
+def _wait_event(actor, event, step, timeout_s=60.0):
+    got = []
+
+    def seen():
+        got.extend(ray.get(actor.drain_events.remote()))
+        return any(e["event"] == event and e["step"] == step for e in got)
+
+    wait_for(seen, timeout_s)
+    return got
+
+
+def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_whole(fake_cluster, tmp_path):
+    """Two NodeCheckpointer actors (Ray actors on the fake cluster's nodes) whose node-local
+    tiers hold the same steps written by a real Checkpointer; node B's copy has other
+    BatchNorm statistics (as a replica's would), so node 0 (A) writes those itself.
+
+    1. a sliced upload: both actors write a slice, the result is bit-exact A's copy;
+    2. B's shared storage made to fail (``faults.faulty``, injected into the live actor):
+       that step is not committed on the shared tier, the previous one still loads, and A
+       uploads the step whole when flushed;
+    3. B's actor killed before the next upload (new attempt, B named as peer again): not
+       committed in slices, then uploaded whole."""
+    from cfdist.cluster.config import FitConfig
+    from cfdist.cluster.node_actor import NodeCheckpointer
+
+    m, opt = _bn_state()
+    mb, optb = _bn_state()
+    cks = [cfdist.Checkpointer({"model": mm, "optim": oo}, f"file://{tmp_path}/{n}/r", cfdist.Every(1), keep=5)
+           for n, mm, oo in (("A", m, opt), ("B", mb, optb))]
+
+    def step(i):
+        for (mm, oo), ck in zip(((m, opt), (mb, optb)), cks):
+            mm(torch.randn(16, 256, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+            if mm is mb:
+                mm[1].running_mean.add_(1.0)   # another replica's statistics; parameters stay equal
+            ck.step(oo)
+            oo.zero_grad()
+            ck.wait()
+
+    for i in range(3):
+        step(i)
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", shared_storage=f"file://{tmp_path}/shared",
+                    run_name="r", memory_tier=False, shared_every=1, keep=5, shared_slice_timeout_s=60)
+    remote = ray.remote(NodeCheckpointer)
+    a, b = (remote.options(num_cpus=0).remote(config=cfg, run_id="sl", node_id=n * 16, node_name=n) for n in "AB")
+    ray.get([a.begin_attempt.remote(1, shared_writer=True, peers=[b]), b.begin_attempt.remote(1, shared_writer=False)])
+    shared = f"file://{tmp_path}/shared/r"
+    try:
+        assert ray.get(a.flush_shared.remote(2)) == 2
+        sm, st = _loaded(shared, 2)
+        am, at = _loaded(f"file://{tmp_path}/A/r", 2)
+        assert {sh["writer"] for sh in sm["shards"]} == {0, 1} and sm["split"], "both nodes write, a tensor is cut"
+        assert at.keys() == st.keys() and all(torch.equal(at[k], st[k]) for k in at)
+        bn = [k for k in sm["tensors"] if "running_mean" in k]
+        assert bn and all(sm["shards"][sm["tensors"][k]["shard"]]["writer"] == 0 for k in bn)
+        assert any(e["event"] == "shared_slice_written" for e in ray.get(b.drain_events.remote()))
+
+        def break_shared(self):
+            from cfdist.storage.faults import faulty
+            self.shared = [faulty(self.shared[0], fail_after_bytes=0)]
+
+        ray.get(b.__ray_call__.remote(break_shared))
+        ray.get(a.__ray_call__.remote(lambda self: self._want_shared(3)))
+        _wait_event(a, "shared_slices_failed", 3)
+        from cfdist.checkpoint.discovery import is_committed
+        from cfdist.storage import open_storages
+        assert not is_committed(open_storages(shared)[0], 3)
+        prev = _loaded(shared, 2)[1]
+        assert all(torch.equal(at[k], prev[k]) for k in at), "the previous one stays"
+        assert ray.get(a.flush_shared.remote(3)) == 3   # whole, by A alone
+        sm3, st3 = _loaded(shared, 3)
+        rm, = [k for k in st3 if k.endswith("running_mean")]
+        assert "slicing" not in sm3 and torch.equal(st3[rm], m[1].running_mean)
+
+        step(3)
+        ray.get([a.begin_attempt.remote(2, shared_writer=True, peers=[b])])
+        ray.kill(b)
+        ray.get(a.__ray_call__.remote(lambda self: self._want_shared(4)))
+        _wait_event(a, "shared_slices_failed", 4)
+        assert not is_committed(open_storages(shared)[0], 4)
+        assert ray.get(a.flush_shared.remote(4)) == 4 and "slicing" not in _loaded(shared, 4)[0]
+    finally:
+        for ck in cks:
+            ck.close()
+        ray.get(a.close.remote())
+        ray.kill(a)

@@ -56,6 +56,9 @@ def test_event_log_in_memory_only():
     (dict(storage="/x", max_failures=-1), "max_failures"),
     (dict(storage="/x", poll_s=0), "poll_s"),
     (dict(storage="/x", memory_tier=False, local_tier=False), "no tier"),
+    (dict(storage="/x", shared_writers=0), r"shared_writers must be 'all' or an int >= 1.*got 0"),
+    (dict(storage="/x", shared_writers="node"), "shared_writers.*pass 1"),
+    (dict(storage="/x", shared_slice_timeout_s=-1), "shared_slice_timeout_s"),
 ])
 def test_fit_config_rejects_with_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
