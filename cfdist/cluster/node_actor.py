@@ -45,7 +45,7 @@ import torch
 
 from cfdist.checkpoint import slices
 from cfdist.checkpoint.discovery import committed_steps, is_committed, read_manifest, read_tensors, sweep
-from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TensorEntry
+from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TMP_MARK, TensorEntry, step_dir
 from cfdist.checkpoint.persist import CommitInfo, PersistJob, ShardJob, pid_alive, write_checkpoint
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
@@ -80,6 +80,10 @@ def _sweep_orphans(run_name: str, node_id: str) -> None:
                 os.unlink(arena)
             except OSError:
                 pass
+
+
+class _Unsliceable(Exception):
+    """A step that cannot be uploaded in slices (nothing written yet): it goes whole."""
 
 
 class StaleAttempt(RuntimeError):
@@ -249,6 +253,8 @@ class NodeCheckpointer:
         if peers and not self._whole_only:
             try:
                 info = self._upload_sliced(step, peers)
+            except _Unsliceable as e:
+                log.info("node %s uploads step %d whole: %s", self.node_name, step, e)
             except slices.SliceError as e:
                 self._whole_only = True
                 log.warning("node %s: sliced upload of step %d to %s not committed (%s); the previous "
@@ -332,19 +338,26 @@ class NodeCheckpointer:
             return None
         m0 = got[0]
         if m0.get("codecs") or m0.get("split"):
-            raise slices.SliceError(f"step {step} is encoded by codecs or already sliced; it is uploaded whole")
+            raise _Unsliceable(f"its copy is encoded by codecs or already sliced")
         if transfer.holds_same(self.shared, step, m0):
             return None
         timeout = self.config.shared_slice_timeout_s
-        try:
-            theirs = ray.get([p.step_sums.remote(step) for p in peers], timeout=timeout)
-        except Exception as e:  # noqa: BLE001 - a peer that cannot answer: this step goes whole
-            raise slices.SliceError(f"asking the peers for their copies of step {step} failed: "
-                                    f"{type(e).__name__}: {e}") from e
+        asked = [p.step_sums.remote(step) for p in peers]
+        answered, _ = ray.wait(asked, num_returns=len(asked), timeout=timeout)
+        theirs = []
+        for ref in asked:   # nothing is written yet: a peer that cannot answer only leaves the upload
+            try:
+                if ref not in answered:
+                    raise TimeoutError(f"no answer in {timeout}s")
+                theirs.append(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - logged; that peer writes no slice
+                log.warning("node %s: a peer did not say whether it holds step %d (%s: %s); it uploads no "
+                            "slice of it", self.node_name, step, type(e).__name__, e)
+                theirs.append(None)
         mine = {k: t.get("xxh3") for k, t in m0["tensors"].items()}
         helpers = [p for p, s in zip(peers, theirs) if s is not None]
         if not helpers:
-            raise slices.SliceError(f"no peer holds step {step}")
+            raise _Unsliceable(f"no peer holds it")
         writers = 1 + len(helpers)
         # what is not identical on every node (module buffers) is node 0's, written by node 0
         pinned = {k for k, v in mine.items() if v is None or any(s is not None and s.get(k) != v for s in theirs)}
@@ -358,13 +371,14 @@ class NodeCheckpointer:
         refs = [h.upload_slice.remote(step, w, writers, slicer.pieces(w),
                                       {p.name: mine[p.name] for p in slicer.pieces(w)}, tag)
                 for w, h in enumerate(helpers, start=1)]
-        own = self.upload_slice(step, 0, writers, slicer.pieces(0), mine, tag)
         try:
+            own = self.upload_slice(step, 0, writers, slicer.pieces(0), mine, tag)
             parts = ray.get(refs, timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a failed, dead or stalled peer: the step is not committed
             for r in refs:
                 ray.cancel(r, force=False)
-            raise slices.SliceError(f"a peer's slice of step {step} did not arrive: {type(e).__name__}: {e}") from e
+            self._drop_staging(step, tag)
+            raise slices.SliceError(f"a slice of step {step} was not written: {type(e).__name__}: {e}") from e
         manifest = {k: v for k, v in m0.items()
                     if k not in ("format", "step", "time", "bytes", "roots", "shards", "tensors", SEAL)}
         manifest.update(slicing={"writers": writers, "align": slices.ALIGN, "by": "nodes"}, split=slicer.split,
@@ -372,6 +386,18 @@ class NodeCheckpointer:
         info = write_checkpoint(self.shared, PersistJob(manifest=manifest, shards=[], arenas=[], commit=True,
                                                         clear=False, slices=[own] + parts, **base))
         return {"bytes": info.bytes, "writers": writers}
+
+    def _drop_staging(self, step: int, tag: str) -> None:
+        """Remove what a failed sliced upload of ``step`` left in the shared tier (best effort: a
+        stalled peer may still add a file, which the next commit of that step clears)."""
+        st = self.shared[0]
+        try:
+            if st.atomic_rename:
+                st.remove(f"{step_dir(step)}{TMP_MARK}{tag}")
+            elif not is_committed(st, step):   # object stores: the slices sit under the final prefix
+                st.remove(step_dir(step))
+        except OSError as e:
+            log.warning("could not remove the uncommitted slices of step %d from %s: %s", step, st.url, e)
 
     def flush_local(self) -> int | None:
         """Copy the memory tier's newest step to the local tier when it is newer (``memory_every``

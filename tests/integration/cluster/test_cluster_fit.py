@@ -363,8 +363,9 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
     2. B's shared storage made to fail (``faults.faulty``, injected into the live actor):
        that step is not committed on the shared tier, the previous one still loads, and A
        uploads the step whole when flushed;
-    3. B's actor killed before the next upload (new attempt, B named as peer again): not
-       committed in slices, then uploaded whole."""
+    3. B's actor SIGKILLed mid-upload (new attempt, B named as peer again; its writes slowed
+       so the kill lands while its shard file is being written): not committed, the previous
+       step stays, then uploaded whole."""
     from cfdist.cluster.config import FitConfig
     from cfdist.cluster.node_actor import NodeCheckpointer
 
@@ -410,6 +411,7 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
         from cfdist.checkpoint.discovery import is_committed
         from cfdist.storage import open_storages
         assert not is_committed(open_storages(shared)[0], 3)
+        assert not glob.glob(str(tmp_path / "shared" / "r" / "step-000000003*")), "its slices are removed"
         prev = _loaded(shared, 2)[1]
         assert all(torch.equal(at[k], prev[k]) for k in at), "the previous one stays"
         assert ray.get(a.flush_shared.remote(3)) == 3   # whole, by A alone
@@ -417,13 +419,22 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
         rm, = [k for k in st3 if k.endswith("running_mean")]
         assert "slicing" not in sm3 and torch.equal(st3[rm], m[1].running_mean)
 
-        step(3)
-        ray.get([a.begin_attempt.remote(2, shared_writer=True, peers=[b])])
-        ray.kill(b)
+        step(3)   # B's actor killed mid-upload: its storage slowed, killed once its shard file appears
+        ray.get(a.begin_attempt.remote(2, shared_writer=True, peers=[b]))
+
+        def slow_shared(self):
+            from cfdist.storage.faults import throttle
+            self.shared = [throttle(self.shared[0].inner, bytes_per_s=200_000)]
+
+        ray.get(b.__ray_call__.remote(slow_shared))
         ray.get(a.__ray_call__.remote(lambda self: self._want_shared(4)))
+        wait_for(lambda: glob.glob(str(tmp_path / "shared" / "r" / "step-000000004.tmp-*" / "shard-00001-*")))
+        ray.kill(b)
         _wait_event(a, "shared_slices_failed", 4)
-        assert not is_committed(open_storages(shared)[0], 4)
+        assert not is_committed(open_storages(shared)[0], 4) and is_committed(open_storages(shared)[0], 3)
         assert ray.get(a.flush_shared.remote(4)) == 4 and "slicing" not in _loaded(shared, 4)[0]
+        st4 = _loaded(shared, 4)[1]
+        assert all(torch.equal(st4[k], v) for k, v in _loaded(f"file://{tmp_path}/A/r", 4)[1].items())
     finally:
         for ck in cks:
             ck.close()
