@@ -87,6 +87,14 @@ def seconds_per_step(records: list[dict], skip: int = 10) -> float:
     return (steps[-1]["t"] - steps[0]["t"]) / max(1, steps[-1]["step"] - steps[0]["step"])
 
 
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    """(first, third) quartile of ``xs`` (nan when fewer than 2)."""
+    if len(xs) < 2:
+        return (float("nan"), float("nan"))
+    q = statistics.quantiles(xs, n=4)
+    return (q[0], q[2])
+
+
 def _schedule(tier: str, failures: int, gap: int, first: int):
     from cfdist.cluster import AtStep, StepSchedule
 
@@ -181,10 +189,13 @@ def main(argv=None) -> int:
                 out["recovery"][tier] = {
                     "n": len(phases), "restored_from": sorted({ph["tier"] for ph in phases}),
                     "lost_iters": res.lost_iterations, "reused": [ph["reused"] for ph in phases],
+                    "recycled": [ph["recycled"] for ph in phases],
                     "median": {k: statistics.median([ph[k] for ph in phases if ph[k] is not None] or [float("nan")])
                                for k in (*RESTART_PHASES, "spare_wait", "spawn", "setup", "load", "total")},
+                    "total_quartiles": _quartiles([ph["total"] for ph in phases]),
                     "all": phases}
     finally:
+        out["load_avg_end"] = os.getloadavg()[0]
         lc.close()
         if a.out is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -198,18 +209,23 @@ def main(argv=None) -> int:
         t.caption = f"median of {a.reps} interleaved runs each, steady state (steps > 10)"
         con.print(t)
     if "recovery" in out:
-        t = Table(title=f"recovery, medians over the failures of each tier (seconds; load avg {out['load_avg']:.1f})")
-        for c in ("tier", "n", "restored from", "detect", "restart", "(spare wait)", "(spawn)", "(rendezvous)", "restore",
-                  "(setup)", "(load)", "first step", "total", "lost iters (max)"):
+        t = Table(title=f"recovery, medians over the failures of each tier (seconds; load avg "
+                  f"{out['load_avg']:.1f} at start, {out['load_avg_end']:.1f} at end)")
+        for c in ("tier", "n", "restored from", "spares (in process)", "detect", "restart", "(spare wait)", "(spawn)",
+                  "(rendezvous)", "restore", "(setup)", "(load)", "first step", "total", "total q1-q3", "lost iters (max)"):
             t.add_column(c, justify="right")
         for tier, r in out["recovery"].items():
             m = r["median"]
+            q = r["total_quartiles"]
             t.add_row(tier, str(r["n"]), ",".join(map(str, r["restored_from"])),
+                      f"{statistics.median(r['reused'] or [0]):g} ({statistics.median([x or 0 for x in r['recycled']] or [0]):g})",
                       *(f"{m[k]:.3f}" for k in ("detect", "restart", "spare_wait", "spawn", "rendezvous", "restore", "setup",
                                                  "load", "first_step", "total")),
-                      str(max(r["lost_iters"], default=0)))
+                      f"{q[0]:.2f}-{q[1]:.2f}", str(max(r["lost_iters"], default=0)))
         con.print(t)
-        con.print("detect: failure -> seen by the driver; restart: -> new group running (spawn: warm spares "
+        con.print("spares: ranks of the new group that were warm spares (in process: the failed group's "
+                  "survivors, re-formed without a process start); "
+                  "detect: failure -> seen by the driver; restart: -> new group running (spawn: warm spares "
                   "taken or processes started; rendezvous: torch.distributed init); restore: -> state loaded "
                   "(setup: training function start until restore(); load: reading it); first step: -> the "
                   "first step after it completed; total: failure -> that step")
