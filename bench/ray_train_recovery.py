@@ -1,6 +1,6 @@
 """Ray Train's recovery with and without cfdist, on the same workload, in one run.
 
-    python bench/ray_train_recovery.py --steps 60 --every 10 --crash-at 35
+    python bench/ray_train_recovery.py --steps 60 --every 10 --crash-at 35 --repeats 3
 
 The workload: the shapes CNN of ``launch/train_small.py`` on 2 CPU workers (a local Ray on
 loopback), checkpoints every ``--every`` steps, and one worker SIGKILLed at ``--crash-at``;
@@ -14,7 +14,8 @@ Ray Train restarts the group (``FailureConfig``). Two ways to checkpoint:
 
 Printed per mode: wall time of the fit, the training loop's time inside checkpoint+report calls
 (its stall), the recovery gap (last step before the kill to the first step after the restart),
-and the steps trained twice (lost work). Both modes use ``cfdist.ResumableLoader`` so that both
+and the steps trained twice (lost work); with ``--repeats`` the modes alternate (plain, cfdist,
+plain, ...) and the medians with min-max follow the runs. Both modes use ``cfdist.ResumableLoader`` so that both
 resume at the same sample; this measures checkpoint and restart costs, not data handling.
 """
 
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -100,18 +102,18 @@ def train_func(config: dict) -> None:
         reporter.close()
 
 
-def run(mode: str, a, tmp: str) -> dict:
+def run(mode: str, a, tmp: str, i: int = 0) -> dict:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    logf = os.path.join(tmp, f"{mode}.jsonl")
+    logf = os.path.join(tmp, f"{mode}-{i}.jsonl")
     t0 = time.time()
     TorchTrainer(
         train_func,
         train_loop_config={"mode": mode, "every": a.every, "steps": a.steps, "crash_at": a.crash_at,
-                           "log": logf, "marker": os.path.join(tmp, f"{mode}.crashed")},
+                           "log": logf, "marker": os.path.join(tmp, f"{mode}-{i}.crashed")},
         scaling_config=ray.train.ScalingConfig(num_workers=2),
-        run_config=ray.train.RunConfig(name=mode, storage_path=os.path.join(tmp, "results"),
+        run_config=ray.train.RunConfig(name=f"{mode}-{i}", storage_path=os.path.join(tmp, "results"),
                                        failure_config=ray.train.FailureConfig(max_failures=1)),
     ).fit()
     wall = time.time() - t0
@@ -132,6 +134,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--crash-at", type=int, default=35)
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved")
     a = p.parse_args()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
@@ -139,12 +142,19 @@ def main() -> None:
                                        "PYTHONPATH": os.pathsep.join([repo, os.path.join(repo, "launch")])}})
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            res = [run(m, a, tmp) for m in ("plain", "cfdist")]
+            res = [run(m, a, tmp, i) for i in range(a.repeats) for m in ("plain", "cfdist")]
     finally:
         ray.shutdown()
+    cols = ("wall_s", "stall_s", "recovery_gap_s", "steps_redone")
     print(f"{'mode':8} {'wall s':>7} {'stall s':>8} {'recovery gap s':>15} {'steps redone':>13}")
     for r in res:
         print(f"{r['mode']:8} {r['wall_s']:>7} {r['stall_s']:>8} {r['recovery_gap_s']!s:>15} {r['steps_redone']:>13}")
+    if a.repeats > 1:
+        print("median [min, max] over", a.repeats, "runs per mode:")
+        for m in ("plain", "cfdist"):
+            vals = {c: sorted(r[c] for r in res if r["mode"] == m and r[c] is not None) for c in cols}
+            print(f"{m:8} " + "  ".join(f"{c} {statistics.median(v):g} [{v[0]:g}, {v[-1]:g}]"
+                                       for c, v in vals.items() if v))
     print(json.dumps(res))
 
 

@@ -10,7 +10,8 @@ hits all alike), on the same filesystem as the training runs:
 * ``snapshot``: cfdist's phase 1 (:class:`~cfdist.checkpoint.snapshot.Snapshotter`) of a
   workload's model + Adam tensors;
 * ``persist``: cfdist's phase 2 (:func:`~cfdist.checkpoint.persist.write_checkpoint`) of that
-  snapshot: write, per-tensor xxh3, fsync, manifest, atomic commit;
+  snapshot with the Checkpointer's default ``io="auto"`` (``O_DIRECT`` where the filesystem
+  takes it): write, per-tensor xxh3, fsync, manifest, atomic commit;
 * restore from a cold page cache (each file evicted with ``posix_fadvise(DONTNEED)``):
   ``torch.load`` + ``load_state_dict``, DCP ``load`` + ``load_state_dict``, cfdist
   ``Checkpointer.restore`` (checksums verified).
@@ -129,7 +130,7 @@ def disk_and_phases(root: str, *, workload: str = "mlp", state_mb: float = 200, 
             out["xxh3"].append(_timed(lambda: [xxhash.xxh3_64(memoryview(arena[e.offset:e.offset + e.nbytes])).digest()
                                                for e in snap.layout[0]]))
             out["snapshot"].append(_timed(lambda: (snap.start(tensors), snap.wait_copied())))
-            job = PersistJob(step=i + 1, manifest={"skeleton": {}}, arenas=[a.buf for a in snap.host],
+            job = PersistJob(step=i + 1, manifest={"skeleton": {}}, arenas=[a.buf for a in snap.host], io="auto",
                              shards=[ShardJob(index=0, count=1, root=0, nbytes=snap.nbytes, entries=snap.layout[0])])
             info = {}
             r = _timed(lambda: info.setdefault("i", write_checkpoint(sts, job)))

@@ -36,12 +36,13 @@ from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import (
-    PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend, declare_timeout,
+    OrderedBackend, PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend, declare_timeout,
 )
 from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement
 from cfdist.storage import open_storages
+from cfdist.storage.direct import check_mode as check_io, resolve as resolve_io
 from cfdist.storage.redact import redact
 
 log = logging.getLogger("cfdist.checkpointer")
@@ -80,6 +81,19 @@ class CheckpointerConfig:
     agree_timeout_s: float = 1800.0
     """Multi-rank: how long a rank waits for the others through the store (the agreed k, every
     rank's RNG states, restore) before raising ``AgreementError`` naming the missing keys."""
+    buffers: int = 1
+    """Sets of snapshot buffers. 1: a snapshot waits until the previous checkpoint's persist
+    ended. 2 (double buffering): snapshot i+1 copies into the second set while persist i still
+    writes, and waits only when both sets are held by persists; persists still run one at a
+    time, in step order. Host memory for snapshots: ``buffers`` x the state's tensor bytes
+    (``stats["arena_bytes"]``); GPU snapshot memory stays 1 x. A failure can then lose the
+    checkpoints of up to ``buffers`` intervals in flight: lost work <= (buffers + 1) x k."""
+    io: str = "auto"
+    """How shard files are written on local ``file://`` roots: ``"auto"`` (``O_DIRECT`` from the
+    page-aligned arenas where the filesystem supports it, else buffered, one log line per
+    filesystem), ``"direct"`` (refuse a root whose filesystem does not) or ``"buffered"`` (page
+    cache; the pages are dropped after fsync either way). Remote roots always write through
+    fsspec. See :mod:`cfdist.storage.direct`."""
 
     def __post_init__(self):
         if not isinstance(self.lookahead, int) or self.lookahead < 1:
@@ -97,6 +111,10 @@ class CheckpointerConfig:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise ValueError(f"persist_timeout_s must be a number of seconds > 0, or None to wait forever; "
                              f"got {t!r}")
+        if not isinstance(self.buffers, int) or isinstance(self.buffers, bool) or not 1 <= self.buffers <= 4:
+            raise ValueError(f"buffers must be an int in [1, 4] (sets of snapshot buffers: 2 lets a snapshot "
+                             f"start while the previous persist still writes), got {self.buffers!r}")
+        check_io(self.io)
         if not isinstance(self.read_retry, RetryPolicy):
             raise TypeError(f"read_retry must be a cfdist.checkpoint.retry.RetryPolicy, got {self.read_retry!r}")
 
@@ -150,6 +168,10 @@ class Checkpointer:
             ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
             the plain safetensors format.
         keep, keep_epoch_ends, verify: see :class:`CheckpointerConfig`.
+        buffers: sets of snapshot buffers; 2 lets snapshot i+1 start while persist i still
+            writes (double buffering, 2 x the state in host memory); see :class:`CheckpointerConfig`.
+        io: ``"auto"`` (default: ``O_DIRECT`` on local disks that support it), ``"direct"`` or
+            ``"buffered"``; see :class:`CheckpointerConfig`.
 
     A checkpoint of step i is the state at the end of iteration i. Parameters and optimizer
     state are copied while iteration i+1 runs (its update waits for the copy: the gate); what a
@@ -164,11 +186,13 @@ class Checkpointer:
                  backend: str | PersistBackend = "thread", restore_from=None,
                  storage_options: dict | None = None, verify: bool = True, store=None,
                  lookahead: int = 8, agree_timeout_s: float = 1800.0, codecs=None,
-                 read_retry: RetryPolicy | None = None, persist_timeout_s: float | None = None):
+                 read_retry: RetryPolicy | None = None, persist_timeout_s: float | None = None,
+                 buffers: int = 1, io: str = "auto"):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
                                          verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s,
-                                         read_retry=read_retry or RetryPolicy(), persist_timeout_s=persist_timeout_s)
+                                         read_retry=read_retry or RetryPolicy(), persist_timeout_s=persist_timeout_s,
+                                         buffers=buffers, io=io)
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
@@ -196,7 +220,16 @@ class Checkpointer:
             if self.writer:
                 self.backend = agreement.GatherRngBackend(self.backend, self._rngx)
         self._restores = 0
-        self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory)
+        self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory,
+                                 buffers=self.config.buffers)
+        # persists one at a time, in step order, also when several snapshots wait for theirs
+        self._persister = OrderedBackend(self.backend) if self.config.buffers > 1 else self.backend
+        if self.writer and io == "direct":   # asked for explicitly: refuse where it cannot be had
+            for st_ in self.storages:
+                if not st_.is_local:
+                    raise ValueError(f"io='direct' needs local file:// roots; {st_.url} is written through "
+                                     f"fsspec: use io='auto'")
+                resolve_io("direct", st_.path())
         if self.writer:
             discovery.sweep(self.storages)   # refuses a reordered list or an empty root 0 first
         else:
@@ -205,13 +238,14 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._pending: dict | None = None      # snapshot taken, small state not yet captured
         self._ready: dict | None = None        # fully captured, waiting for the copy to finish
-        self._inflight = None                  # Pending persist
+        self._inflight: list = []             # (Pending persist, arena set) in step order
         self._snapped_step: int | None = None  # step of the latest snapshot taken
         self._error: BaseException | None = None
         self._last_return: float | None = None
         self._persist_done: tuple[float, int] | None = None
         self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0,
-                           persist_s=0.0, bytes=0, last_error=None, bytes_logical=0, bytes_written=0)
+                           persist_s=0.0, bytes=0, last_error=None, bytes_logical=0, bytes_written=0,
+                           persist_waits=0, persist_wait_s=0.0, io=None)
         # This run's lineage (retention deletes only its ancestors); restore() replaces it.
         self._lineage = retention.new_lineage()
         self._rolled_back: dict[int, str] = {}   # step -> why restore rolled back past it
@@ -268,7 +302,7 @@ class Checkpointer:
             batch_size=getattr(loader, "batch_size", None),
             iters_per_epoch=len(loader) if loader is not None and hasattr(loader, "__len__") else None,
             cached_profile=None, failure_times_s=[r["time"] for r in hist.get("restarts", [])],
-            now_s=time.time(), state_signature=signature,
+            now_s=time.time(), state_signature=signature, buffers=self.config.buffers,
         )
         self._profile_name = f"profile-{pb.profile_key(ctx)}.json"
         cached = self._read_json(self._profile_name)
@@ -449,6 +483,8 @@ class Checkpointer:
             for h in self._hooks:
                 h.remove()
             self._snap.close()
+            if self._persister is not self.backend:
+                self._persister.close()
             self.backend.close()
 
     def abandon(self) -> None:
@@ -484,6 +520,9 @@ class Checkpointer:
             "agreement": self._freq.describe(), "agreement_reads": self._freq.reads,
             "agreement_wait_s": self._channel.waited_s if self._channel is not None else 0.0,
             "bytes_logical": s["bytes_logical"], "bytes_written": s["bytes_written"],
+            "buffers": self.config.buffers, "arena_bytes": self._snap.arena_bytes,
+            "persist_waits": s["persist_waits"], "persist_wait_s": s["persist_wait_s"],
+            "inflight": sum(1 for p, _ in self._inflight if not p.done()), "io": s["io"],
         }
         extra = getattr(self.policy, "stats", None)
         if callable(extra):
@@ -500,13 +539,13 @@ class Checkpointer:
         if self._snap_host_future is not None:
             self._snap_host_future.result()
         self._try_submit()
-        self._wait_inflight()   # one persist in flight; its arenas are about to be reused
+        slot = self._free_arenas()   # waits only while every arena set is held by a persist
         self._harvest()
         stall += time.perf_counter() - t0
         early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
         skeleton, tensors = flatten(early)
         self._pending = {"step": self._step, "epoch": self._epoch(), "epoch_end": epoch_end,
-                         "skeleton": skeleton}
+                         "skeleton": skeleton, "slot": slot}
         if not self._fetch_hooked:
             # The next forward comes after the next fetch, which may draw from the RNG
             # (augmentation); in the ordinary loop nothing else draws before it.
@@ -515,6 +554,7 @@ class Checkpointer:
         self._snapped_step = self._step
         if self.writer:
             mode = getattr(self.policy, "mode", "cpu")
+            self._snap.select(slot)
             self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu",
                              first=st.mutable_in_forward(self.state, tensors))
             self._pending["tensors"] = tensors
@@ -522,18 +562,20 @@ class Checkpointer:
             self._snap_host_future.add_done_callback(lambda f: self._try_submit())
         return stall
 
-    def _wait_inflight(self) -> None:
-        """Block until the persist in flight (if any) ended; its own failure is left for
-        :meth:`_harvest` to record. An interrupt (``KeyboardInterrupt``, ``SystemExit`` from a
-        SIGTERM handler) propagates and leaves ``_inflight`` set, so the next snapshot waits
-        for that persist again before it copies into the arenas the persist may still read."""
-        p = self._inflight
-        if p is None or p.done():
-            return
-        try:
-            p.wait()
-        except Exception:  # noqa: BLE001 - the persist's error: _harvest records and re-raises it
-            pass
+    def _free_arenas(self) -> int:
+        """An arena set no persist reads (the one to snapshot into), waiting for the oldest
+        persist while every set is held; counted in ``stats`` (``persist_waits``)."""
+        b = self.config.buffers
+        with self._lock:
+            busy = [s for p, s in self._inflight if not p.done()]
+        if len(busy) >= b:
+            t0 = time.perf_counter()
+            self._stats["persist_waits"] += 1
+            self._wait_inflight(keep=b - 1)
+            self._stats["persist_wait_s"] += time.perf_counter() - t0
+            with self._lock:
+                busy = [s for p, s in self._inflight if not p.done()]
+        return min(set(range(b)) - set(busy))
 
     def _on_boundary(self, *args, **kwargs) -> None:
         """The instant between iterations: capture schedulers, plain values and RNG."""
@@ -570,16 +612,18 @@ class Checkpointer:
                 self._record_error(fut.exception(), p["step"])
                 return
             self._stats["snapshot_s"] += self._snap.last_copy_s or 0.0
-            shards = [ShardJob(index=i, count=len(self._snap.layout), root=i % len(self.storages),
-                               nbytes=self._snap.host[i].nbytes, entries=es, arena_path=self._snap.host[i].path)
-                      for i, es in enumerate(self._snap.layout)]
+            layout, host = self._snap.arenas(p["slot"])
+            shards = [ShardJob(index=i, count=len(layout), root=i % len(self.storages),
+                               nbytes=host[i].nbytes, entries=es, arena_path=host[i].path)
+                      for i, es in enumerate(layout)]
             manifest = {"epoch": p["epoch"], "epoch_end": p["epoch_end"], "world_size": self.world_size,
                         "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"], "lineage": self._lineage}
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
-                             arenas=[a.buf for a in self._snap.host], codecs=self.codecs,
+                             arenas=[a.buf for a in host], codecs=self.codecs, io=self.config.io,
                              codec_session=self._codec_session, rolled_back=dict(self._rolled_back) or None)
-            self._inflight = self.backend.submit(job)   # non-blocking by the backend protocol
+            # non-blocking by the backend protocol
+            self._inflight.append((self._persister.submit(job), p["slot"]))
 
     def _record_error(self, e: BaseException, step: int) -> None:
         self._stats["errors"] += 1
@@ -589,60 +633,72 @@ class Checkpointer:
                   "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url,
                   redact(e), self.latest_step)
 
-    def _wait_inflight(self) -> None:
-        """Block until the in-flight persist finished or, past ``persist_timeout_s``, was given up.
-
-        Its error is not raised here: :meth:`_harvest` records it.
+    def _wait_inflight(self, keep: int = 0) -> None:
+        """Block until at most ``keep`` persists still run: the oldest finished or, past
+        ``persist_timeout_s``, were given up. Their errors are not raised here: :meth:`_harvest`
+        records them. An interrupt (``KeyboardInterrupt``, ``SystemExit`` from a SIGTERM
+        handler) propagates and leaves ``_inflight`` as it was, so the next snapshot waits for
+        that persist again before it copies into the arenas the persist may still read.
         """
-        p, t = self._inflight, self.config.persist_timeout_s
-        if p is None:
-            return
-        if t is not None and getattr(p, "submitted", None) is not None:
-            while not p.done():
-                left = t - (time.monotonic() - p.submitted)
-                if left <= 0:
-                    if self._expire_inflight():
-                        return
-                    break   # past its commit point (or not abandonable): wait it out
-                try:
-                    p.wait(left)
-                except Exception:  # noqa: BLE001 - the persist's own error is recorded by _harvest
-                    pass
-            if p.done():
+        t = self.config.persist_timeout_s
+        while True:
+            with self._lock:
+                running = [p for p, _ in self._inflight if not p.done()]
+            if len(running) <= keep:
                 return
-        try:
-            p.wait()
-        except Exception:  # noqa: BLE001 - recorded by _harvest
-            pass
+            p = running[0]
+            if t is not None and getattr(p, "submitted", None) is not None:
+                while not p.done():
+                    left = t - (time.monotonic() - p.submitted)
+                    if left <= 0:
+                        if self._expire_inflight():
+                            break
+                        left = None   # past its commit point (or not abandonable): wait it out
+                    try:
+                        p.wait(left)
+                    except Exception:  # noqa: BLE001 - the persist's own error is recorded by _harvest
+                        pass
+                continue
+            try:
+                p.wait()
+            except Exception:  # noqa: BLE001 - recorded by _harvest
+                pass
 
     def _expire_inflight(self) -> bool:
-        """Give the in-flight persist up if it ran past ``persist_timeout_s``; True if it was."""
-        p, t = self._inflight, self.config.persist_timeout_s
-        if p is None or t is None:
+        """Give up the persists that ran past ``persist_timeout_s``; True if one was."""
+        t = self.config.persist_timeout_s
+        if t is None:
             return False
-        err = declare_timeout(p, t, self.storages[0].url)
-        if err is None:
-            return False
-        with self._lock:
-            if self._inflight is p:
-                self._inflight = None
-        self._snap.retire_host_arenas()   # the hung writer may still read them
-        self._record_error(err, p.step)
-        return True
+        expired = False
+        for p, slot in list(self._inflight):
+            err = declare_timeout(p, t, self.storages[0].url)
+            if err is None:
+                continue
+            with self._lock:
+                self._inflight = [x for x in self._inflight if x[0] is not p]
+            self._snap.retire_host_arenas(slot)   # the hung writer may still read them
+            self._record_error(err, p.step)
+            expired = True
+        return expired
 
     def _harvest(self) -> None:
-        """Collect a finished persist (non-blocking); give up one past ``persist_timeout_s``."""
+        """Collect the finished persists, in step order (non-blocking); give up the ones past
+        ``persist_timeout_s``."""
         self._expire_inflight()
         with self._lock:   # the snapshot thread may be recording the next persist
-            p = self._inflight
-            if p is None or not p.done():
-                return
-            self._inflight = None
+            done = []
+            while self._inflight and self._inflight[0][0].done():
+                done.append(self._inflight.pop(0)[0])
+        for p in done:
+            self._collect(p)
+
+    def _collect(self, p) -> None:
         try:
             info = p.wait()
         except Exception as e:  # noqa: BLE001 - re-raised by wait()
             self._record_error(e, getattr(p, "step", -1))
             return
+        self._stats["io"] = getattr(info, "io", None)
         self.latest_step = info.step
         self._rolled_back = {}   # recorded by that commit's retention
         self._stats["checkpoints"] += 1

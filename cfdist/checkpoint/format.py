@@ -9,7 +9,8 @@
       (root 1)/step-000001200/shard-00001-of-00002.safetensors
 
 A shard is a plain safetensors file (``safetensors.torch.load_file`` reads it): 8-byte
-little-endian header length, JSON header (padded with spaces to 8 bytes), then the tensors'
+little-endian header length, JSON header (padded with spaces so that the data starts at a
+multiple of 8 bytes, or of 4096 when the shard was written with ``O_DIRECT``), then the tensors'
 bytes back to back, ordered by element size (largest first) so every tensor is aligned.
 The manifest holds the skeleton of the state, every tensor's shard/offset/dtype/shape and its
 xxh3-64 checksum, and the small state (iterator, RNG, scheduler, step, epoch).
@@ -95,8 +96,14 @@ class TensorEntry:
         return d
 
 
-def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
-    """The 8-byte length + JSON header for one shard whose entries are back to back from 0."""
+def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None, *,
+                       align: int = 8) -> bytes:
+    """The 8-byte length + JSON header for one shard whose entries are back to back from 0.
+
+    The JSON is padded with spaces so that the data section starts at a multiple of ``align``
+    (8: safetensors' own rule; 4096 for ``O_DIRECT`` writes straight from the arena). Trailing
+    spaces are valid JSON: every safetensors reader (and :func:`parse_safetensors_header`)
+    reads such a header."""
     hdr: dict = {}
     if metadata:
         hdr["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -104,7 +111,7 @@ def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | No
         hdr[e.name] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape),
                        "data_offsets": [e.offset, e.offset + e.nbytes]}
     raw = json.dumps(hdr, separators=(",", ":")).encode()
-    raw += b" " * ((8 - (8 + len(raw)) % 8) % 8)
+    raw += b" " * (-(8 + len(raw)) % align)
     return struct.pack("<Q", len(raw)) + raw
 
 

@@ -64,10 +64,15 @@ from cfdist.checkpoint.format import (
 )
 from cfdist.checkpoint.snapshot import attach_arena
 from cfdist.storage import Storage, open_storages
+from cfdist.storage import direct as direct_io
+from cfdist.storage.direct import ALIGN, io_mode
 
 log = logging.getLogger("cfdist.persist")
 
 _CHUNK = 16 << 20
+_HASH_STEP = 1 << 20
+"""Bytes per xxh3 update: the hash keeps the GIL for one update, so a writer thread waiting to
+issue its next write waits at most this much hashing (about 0.1-0.3 ms)."""
 
 
 @dataclass(kw_only=True)
@@ -104,6 +109,14 @@ class PersistJob:
     """``cfdist.codecs`` to encode with (empty: the plain format)."""
     codec_session: str | None = None
     """Id of the Checkpointer: chain codecs keep references per storage and session."""
+    io: str = "buffered"
+    """How shard files are written on local roots (:mod:`cfdist.storage.direct`): ``"auto"``
+    (``O_DIRECT`` where the filesystem takes it), ``"direct"`` or ``"buffered"``."""
+    io_threads: int = 1
+    """Writer threads per shard file for ``O_DIRECT`` writes (the device's queue depth). One
+    thread already overlaps the checksums with the writes; more were slower on ext4 over a
+    virtio disk (extending writes to one file serialize; ``bench/bench_persist.py --threads``),
+    and may help on NVMe."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -124,6 +137,9 @@ class CommitInfo:
     deleted: tuple[int, ...] = ()
     bytes_logical: int | None = None
     """Bytes of the tensors before codecs (``bytes`` is what the shard files hold)."""
+    io: str | None = None
+    """How the shards were written: ``"direct"``, ``"buffered"``, ``"plain"`` (no I/O mode
+    asked), ``"fsspec"`` (a remote backend), or several joined by ``+`` (roots differed)."""
 
 
 # ---- who decides a persist's fate: the writer (commit) or the waiter (abandon) ------------------
@@ -207,8 +223,18 @@ def _claim_commit(job: PersistJob) -> None:
 
 def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorEntry], sums: dict,
                   buffers: list | None = None):
-    """The shard's bytes in chunks: each entry's slice of ``arena``, or its buffer in ``buffers``."""
+    """The shard's bytes in chunks: each entry's slice of ``arena``, or its buffer in ``buffers``.
+
+    From an arena whose entries lie back to back from 0 (the plain format), the chunks are
+    ``_CHUNK``-sized windows of the arena itself, across tensor boundaries: aligned memory at
+    aligned file offsets (after a header padded to :data:`~cfdist.storage.direct.ALIGN`), which
+    an ``O_DIRECT`` write sends to the disk without a copy. Each tensor's xxh3 is updated with
+    the window's part of it before the window is handed out.
+    """
     yield header
+    if buffers is None and _back_to_back(entries):
+        yield from _arena_windows(arena, entries, sums)
+        return
     for k, e in enumerate(entries):
         mv = memoryview(arena[e.offset:e.offset + e.nbytes]) if buffers is None else buffers[k]
         h = xxhash.xxh3_64()
@@ -216,6 +242,34 @@ def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorE
             c = mv[i:i + _CHUNK]
             h.update(c)
             yield c
+        sums[e.name] = h.hexdigest()
+
+
+def _back_to_back(entries: list[TensorEntry]) -> bool:
+    off = 0
+    for e in entries:
+        if e.offset != off:
+            return False
+        off += e.nbytes
+    return bool(entries)
+
+
+def _arena_windows(arena: np.ndarray, entries: list[TensorEntry], sums: dict):
+    end = entries[-1].offset + entries[-1].nbytes
+    hashes = [xxhash.xxh3_64() for _ in entries]
+    j = 0
+    for w in range(0, end, _CHUNK):
+        we = min(w + _CHUNK, end)
+        while j < len(entries) and entries[j].offset < we:
+            e = entries[j]
+            a, b = max(e.offset, w), min(e.offset + e.nbytes, we)
+            for i in range(a, b, _HASH_STEP):   # xxhash holds the GIL: let the writer thread in often
+                hashes[j].update(memoryview(arena[i:min(i + _HASH_STEP, b)]))
+            if e.offset + e.nbytes > we:
+                break   # continues in the next window
+            j += 1
+        yield memoryview(arena[w:we])
+    for e, h in zip(entries, hashes):
         sums[e.name] = h.hexdigest()
 
 
@@ -251,16 +305,23 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     sums: dict[str, str] = {}
     enc = codecs.begin(storages, job.step, job.codecs, job.codec_session)
     written: dict[int, codecs.EncodedShard] = {}
+    modes: dict[int, str] = {}
 
     def write_root(r: int) -> int:
         n = 0
+        local = storages[r].is_local
         for s in job.shards:
             if s.root != r:
                 continue
-            sh = written[s.index] = codecs.encode_shard(enc, s.entries, arenas[s.index].numpy())
-            hdr = safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)})
-            n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}",
-                                        _shard_chunks(hdr, None, sh.entries, sums, sh.buffers))
+            arena = arenas[s.index].numpy()
+            sh = written[s.index] = codecs.encode_shard(enc, s.entries, arena)
+            hdr = safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)},
+                                     align=ALIGN if local and job.io != "buffered" else 8)
+            chunks = _shard_chunks(hdr, arena, sh.entries, sums) if enc is None else \
+                _shard_chunks(hdr, None, sh.entries, sums, sh.buffers)
+            with io_mode(job.io, threads=job.io_threads):
+                n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}", chunks)
+            modes[r] = getattr(direct_io.last_mode, "value", None) if local else "fsspec"
         storages[r].fsync_dir(staging[r])
         return n
 
@@ -300,7 +361,8 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
                               reasons=job.rolled_back)
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
     return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total, seconds=seconds,
-                      deleted=tuple(deleted), bytes_logical=job.nbytes)
+                      deleted=tuple(deleted), bytes_logical=job.nbytes,
+                      io="+".join(sorted({m for m in modes.values() if m})) or None)
 
 
 # ---- backends ----------------------------------------------------------------------------------
@@ -456,6 +518,83 @@ class ThreadBackend:
             live = list(self._live)
         cf.wait(live)
         _LIVE_THREAD_BACKENDS.discard(self)
+
+
+class _Queued:
+    """A persist :class:`OrderedBackend` holds: queued behind the ones before it, then running
+    on the inner backend (``submitted``, ``abandon`` are the inner persist's from then on)."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self._fut: cf.Future | None = None
+        self._inner = None
+        self._cancelled = self._abandoned = False
+        self._lock = threading.Lock()
+
+    @property
+    def submitted(self) -> float | None:
+        """When its timeout starts counting: once the inner backend has it (now while queued)."""
+        inner = self._inner
+        return time.monotonic() if inner is None else getattr(inner, "submitted", None)
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def wait(self, timeout: float | None = None) -> CommitInfo:
+        return self._fut.result(timeout)
+
+    def abandon(self) -> bool:
+        """Give it up: a queued one never starts; a running one as its backend allows."""
+        with self._lock:
+            if self._inner is None:
+                self._cancelled = True
+                return True
+            ab = getattr(self._inner, "abandon", None)
+            if ab is None or not ab():
+                return False
+            self._abandoned = True
+            return True
+
+
+class OrderedBackend:
+    """Runs ``inner``'s persists one at a time, in the order submitted (double buffering).
+
+    ``submit`` returns at once; one long-lived thread hands each job to ``inner`` once the one
+    before it ended (committed, failed, or given up), so a later step never commits before an
+    earlier one, retention and ``LATEST.json`` move forward only, and a persist's timeout counts
+    from when it starts writing, not while it waits its turn. ``close`` waits for the queue and
+    leaves ``inner`` open.
+    """
+
+    _POLL_S = 0.2
+    """How often a running persist is checked for having been given up."""
+
+    def __init__(self, inner: "PersistBackend"):
+        self.inner = inner
+        self.needs_shared_memory = inner.needs_shared_memory
+        self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-persist-order")
+
+    def submit(self, job: PersistJob) -> Pending:
+        h = _Queued(job.step)
+        h._fut = self._ex.submit(self._run, job, h)
+        return h
+
+    def _run(self, job: PersistJob, h: _Queued) -> CommitInfo:
+        with h._lock:
+            if h._cancelled:
+                raise PersistAbandoned(f"persist of step {job.step} was given up before it started")
+            p = h._inner = self.inner.submit(job)
+        while not p.done():
+            if h._abandoned:
+                raise PersistAbandoned(f"persist of step {job.step} was given up (timed out)")
+            try:
+                p.wait(self._POLL_S)
+            except Exception:  # noqa: BLE001 - not finished yet, or its error: p.wait() below re-raises it
+                pass
+        return p.wait()
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True)
 
 
 def _child_write(urls: list[str], options: dict, job: PersistJob) -> CommitInfo:

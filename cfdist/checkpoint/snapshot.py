@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from cfdist.checkpoint.format import TensorEntry
+from cfdist.storage.direct import ALIGN
 
 log = logging.getLogger("cfdist.snapshot")
 
@@ -76,7 +77,10 @@ def layout_signature(tensors: dict[str, torch.Tensor]) -> tuple:
 
 
 class Arena:
-    """One contiguous byte buffer (host memory, pinned memory, /dev/shm file, or GPU memory)."""
+    """One contiguous byte buffer (host memory, pinned memory, /dev/shm file, or GPU memory).
+
+    Host arenas start at a page boundary (:data:`~cfdist.storage.direct.ALIGN`; /dev/shm
+    files are mapped, so page-aligned too)."""
 
     def __init__(self, nbytes: int, *, shared: bool = False, device: str | torch.device = "cpu",
                  pin: bool = False, shm_dir: str | None = None):
@@ -92,7 +96,10 @@ class Arena:
         elif torch.device(device).type != "cpu":
             self.buf = torch.empty(n, dtype=torch.uint8, device=device)
         else:
-            self.buf = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+            # page-aligned, so that an O_DIRECT write sends the arena to the disk without a copy
+            raw = torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin)
+            skip = -raw.data_ptr() % ALIGN
+            self.buf = raw[skip:skip + n]
 
     def view(self, e: TensorEntry) -> torch.Tensor:
         return self.buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
@@ -131,10 +138,21 @@ def gpu_room(nbytes: int, device: torch.device, *, headroom: float = GPU_HEADROO
 
 class Snapshotter:
     """Owns the arenas and the copy thread of one Checkpointer. Not thread-safe: call from the
-    training thread only (the copy itself runs on the internal thread)."""
+    training thread only (the copy itself runs on the internal thread).
+
+    ``buffers``: sets of host arenas (double buffering: a snapshot copies into one set while a
+    persist still reads another). Host memory is ``buffers`` times the state once every set was
+    used; the GPU arenas (``mode="gpu"``) are one set, free again once :meth:`stage_to_host`
+    returned. :meth:`select` picks the set the next :meth:`start` copies into; ``host`` and
+    ``layout`` are that set's.
+    """
 
     def __init__(self, *, n_shards: int = 1, shared: bool = False, shm_dir: str | None = None,
-                 gpu_headroom: float = GPU_HEADROOM):
+                 gpu_headroom: float = GPU_HEADROOM, buffers: int = 1):
+        self.buffers = buffers
+        self.slot = 0
+        self._stash: list[tuple] = [(None, None, []) for _ in range(buffers)]   # (sig, layout, host) per set
+        self._gpu_sig: tuple | None = None
         self.n_shards = n_shards
         self.shared = shared
         self.shm_dir = shm_dir
@@ -159,6 +177,26 @@ class Snapshotter:
         return sum(a.nbytes for a in self.host)
 
     @property
+    def arena_bytes(self) -> int:
+        """Bytes of host memory every arena set holds together (at most ``buffers`` x the state)."""
+        return self.nbytes + sum(a.nbytes for i, (_, _, host) in enumerate(self._stash) if i != self.slot
+                                 for a in host)
+
+    def select(self, slot: int) -> None:
+        """Copy the next snapshot into arena set ``slot`` (no persist may be reading it)."""
+        if not 0 <= slot < self.buffers:
+            raise ValueError(f"arena set {slot} does not exist (buffers={self.buffers})")
+        self.wait_copied()
+        if slot != self.slot:
+            self._stash[self.slot] = (self._sig, self.layout, self.host)
+            self._sig, self.layout, self.host = self._stash[slot]
+            self.slot = slot
+
+    def arenas(self, slot: int) -> tuple[list[list[TensorEntry]], list["Arena"]]:
+        """``(layout, host arenas)`` of set ``slot``."""
+        return (self.layout, self.host) if slot == self.slot else self._stash[slot][1:]
+
+    @property
     def gpu_nbytes(self) -> int:
         """Bytes of GPU memory the snapshot arenas hold now (0 when snapshots go to the host)."""
         return sum(a.nbytes for a in self.gpu)
@@ -168,7 +206,7 @@ class Snapshotter:
         sig = layout_signature(tensors)
         if want_gpu:
             dev = next(t.device for t in tensors.values() if t.is_cuda)
-        if want_gpu and not (sig == self._sig and self.gpu):   # new GPU arenas: is there room?
+        if want_gpu and not (sig == self._gpu_sig and self.gpu):   # new GPU arenas: is there room?
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             if not gpu_room(nbytes, dev, headroom=self.gpu_headroom):
                 free, total = torch.cuda.mem_get_info(dev)
@@ -177,16 +215,19 @@ class Snapshotter:
                     "snapshotting to host memory instead", nbytes, dev, free, total, 100 * self.gpu_headroom)
                 self.gpu_refused += 1
                 want_gpu = False
-        if sig == self._sig and (bool(self.gpu) == want_gpu):
-            return want_gpu
-        self.close_arenas()
-        self.layout = plan_layout(tensors, self.n_shards)
-        pin = torch.cuda.is_available() and not self.shared
-        self.host = [Arena(sum(e.nbytes for e in es), shared=self.shared, pin=pin, shm_dir=self.shm_dir)
-                     for es in self.layout]
-        if want_gpu:
-            self.gpu = [Arena(sum(e.nbytes for e in es), device=dev) for es in self.layout]
-        self._sig = sig
+        if sig != self._sig:   # this set's arenas: (re)planned only for a new layout
+            for a in self.host:
+                a.close()
+            self.layout = plan_layout(tensors, self.n_shards)
+            pin = torch.cuda.is_available() and not self.shared
+            self.host = [Arena(sum(e.nbytes for e in es), shared=self.shared, pin=pin, shm_dir=self.shm_dir)
+                         for es in self.layout]
+            self._sig = sig
+        if want_gpu != bool(self.gpu) or (want_gpu and self._gpu_sig != sig):
+            for a in self.gpu:
+                a.close()
+            self.gpu = [Arena(sum(e.nbytes for e in es), device=dev) for es in self.layout] if want_gpu else []
+            self._gpu_sig = sig if want_gpu else None
         return want_gpu
 
     def _stream(self, device: torch.device):
@@ -291,17 +332,22 @@ class Snapshotter:
         done.record(stream)
         done.synchronize()
 
-    def retire_host_arenas(self) -> None:
-        """Never copy into the current arenas again (a writer given up may still read them):
-        the next :meth:`start` allocates fresh ones. Their memory is freed once that writer
-        drops its references (in-process), or stays mapped in its process (shared)."""
+    def retire_host_arenas(self, slot: int | None = None) -> None:
+        """Never copy into the arenas of set ``slot`` (default: the current one) again (a writer
+        given up may still read them): its next :meth:`start` allocates fresh ones. Their memory
+        is freed once that writer drops its references (in-process), or stays mapped in its
+        process (shared)."""
         self.wait_copied()
-        self._sig = None
+        if slot is None or slot == self.slot:
+            self._sig = None
+        else:
+            self._stash[slot] = (None,) + tuple(self._stash[slot][1:])
 
     def close_arenas(self) -> None:
-        for a in self.host + self.gpu:
+        for a in self.host + self.gpu + [a for _, _, host in self._stash for a in host]:
             a.close()
-        self.host, self.gpu, self._sig, self.layout = [], [], None, None
+        self.host, self.gpu, self._sig, self.layout, self._gpu_sig = [], [], None, None, None
+        self._stash = [(None, None, []) for _ in range(self.buffers)]
 
     def close(self) -> None:
         try:

@@ -238,17 +238,18 @@ class Auto:
     def _decide(self, from_cache: dict | None) -> None:
         cfg = self.config
         d = freq.decide(self._profile, p=cfg.max_overhead, mtbf_s=self.mtbf_s,
-                        headroom=cfg.gpu_headroom, k_max=cfg.tuning.k_max)
+                        headroom=cfg.gpu_headroom, k_max=cfg.tuning.k_max, buffers=self.ctx.buffers)
         self._decision, self._local_mode = d, d.mode
         k = d.k
         # a cached k holds what tuning learnt; reuse it while the budget and MTBF are the same
         if from_cache is not None and from_cache.get("p") == cfg.max_overhead \
-                and from_cache.get("mtbf_s") == self.mtbf_s and isinstance(from_cache.get("k"), int):
+                and from_cache.get("mtbf_s") == self.mtbf_s and isinstance(from_cache.get("k"), int) \
+                and from_cache.get("buffers", 1) == self.ctx.buffers:
             k = max(from_cache["k"], 1)
         self._decided_k = k
         if self._proposes:
             self._tuner = Tuner(cfg.tuning, p=cfg.max_overhead, profile=self._profile, k=k, mode=d.mode,
-                                mtbf_s=self.mtbf_s, headroom=cfg.gpu_headroom)
+                                mtbf_s=self.mtbf_s, headroom=cfg.gpu_headroom, buffers=self.ctx.buffers)
             src = "cached profile" if from_cache is not None else "profile"
             reason = d.reason(self._profile, cfg.max_overhead, self.mtbf_s) + f" from {src}"
             if k != d.k:
@@ -262,7 +263,8 @@ class Auto:
 
     def _cache_dict(self, k: int) -> dict:
         return {"version": CACHE_VERSION, "key": profile_key(self.ctx), "profile": self._profile.to_dict(),
-                "p": self.config.max_overhead, "mtbf_s": self.mtbf_s, "k": k, "mode": self._local_mode}
+                "p": self.config.max_overhead, "mtbf_s": self.mtbf_s, "k": k, "mode": self._local_mode,
+                "buffers": self.ctx.buffers}
 
     def _load_cache(self, d: dict) -> None:
         try:

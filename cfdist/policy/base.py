@@ -135,6 +135,9 @@ class PolicyContext:
     state_signature: str | None = None
     """Optional digest of the state's layout (names, dtypes, shapes): tells two models of the
     same size apart in :func:`profile_key`."""
+    buffers: int = 1
+    """Sets of snapshot buffers of the checkpointer (2: double buffering); changes the interval
+    that hides a persist (:func:`cfdist.policy.freq.k_persist`), not what is measured."""
 
     def __post_init__(self):
         if not (isinstance(self.world_size, int) and self.world_size >= 1):
@@ -147,6 +150,8 @@ class PolicyContext:
             raise ValueError(f"PolicyContext.state_bytes must be an int >= 0, got {self.state_bytes!r}")
         if not (isinstance(self.device, str) and self.device):
             raise ValueError(f"PolicyContext.device must be a device name such as 'cpu' or 'cuda', got {self.device!r}")
+        if not (isinstance(self.buffers, int) and self.buffers >= 1):
+            raise ValueError(f"PolicyContext.buffers must be an int >= 1, got {self.buffers!r}")
         for name in ("batch_size", "iters_per_epoch"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and v >= 1):

@@ -17,7 +17,10 @@ Rules:
   ``To = max(Tc - (Ti - Tw), 0)``; when profiling measured the overhead around a snapshot
   (``Og``/``Oc``) and it is larger, that is ``To``;
 * the next checkpoint must not start before the previous one is persisted:
-  ``k >= ceil((Tsnap + Ts - To) / Ti)``;
+  ``k >= ceil((Tsnap + Ts - To) / Ti)``; with ``b`` sets of snapshot buffers (double
+  buffering, ``Checkpointer(buffers=2)``) a snapshot waits only for the persist ``b``
+  checkpoints back, so that latency may span ``b`` intervals, but persists run one at a time, so
+  every interval must still hold one persist: ``k >= max(ceil(Ts / Ti), ceil((Tsnap + Ts - To) / (b Ti))``;
 * the overhead budget: ``To / (k * Ti) <= p``, so ``k >= kmin = ceil(To / (p * Ti))``
   (checkpoint cost = iteration time, ``p = 5%`` -> every 20 iterations);
 * with a known MTBF, ``k`` minimises the expected waste rate
@@ -145,9 +148,17 @@ def cpu_overhead(*, Ti: float, Tw: float, Tc: float) -> float:
     return max(Tc - (Ti - Tw), 0.0)
 
 
-def k_persist(*, Ti: float, Tsnap: float, Ts: float, To: float) -> int:
-    """``ceil((Tsnap + Ts - To) / Ti)``, at least 1: the interval that hides the persist."""
-    return max(_ceil((Tsnap + Ts - To) / Ti), 1)
+def k_persist(*, Ti: float, Tsnap: float, Ts: float, To: float, buffers: int = 1) -> int:
+    """``ceil((Tsnap + Ts - To) / Ti)``, at least 1: the interval that hides the persist.
+
+    With ``buffers`` >= 2 sets of snapshot buffers: ``max(ceil(Ts / Ti), ceil((Tsnap + Ts -
+    To) / (buffers Ti)))``: the snapshot-to-commit latency may span ``buffers`` intervals, and
+    one persist (they run one at a time) must fit in each interval."""
+    if not (isinstance(buffers, int) and buffers >= 1):
+        raise ValueError(f"buffers must be an int >= 1, got {buffers!r}")
+    if buffers == 1:
+        return max(_ceil((Tsnap + Ts - To) / Ti), 1)
+    return max(_ceil(Ts / Ti), _ceil((Tsnap + Ts - To) / (buffers * Ti)), 1)
 
 
 def k_budget(*, Ti: float, To: float, p: float) -> int:
@@ -180,17 +191,18 @@ def k_young(*, Ti: float, To: float, latency_s: float, mtbf_s: float, k_lo: int 
 
 def decide(
     profile: Profile, *, p: float, mtbf_s: float | None = None, headroom: float = 0.05,
-    To: float | None = None, k_max: int | None = None,
+    To: float | None = None, k_max: int | None = None, buffers: int = 1,
 ) -> Decision:
     """The CheckFreq decision for ``profile`` under budget ``p`` (and MTBF when known).
 
     ``To`` overrides the modelled critical-path overhead (the tuner passes what it measured).
     ``k_max`` caps the result (a cap below the bounds wins: the caller asked for it).
+    ``buffers``: sets of snapshot buffers (see :func:`k_persist`).
     """
     _check_p(p)
     mode, tsnap, to_model = choose_mode(profile, headroom=headroom)
     to = to_model if To is None else max(To, 0.0)
-    kp = k_persist(Ti=profile.Ti, Tsnap=tsnap, Ts=profile.Ts, To=to)
+    kp = k_persist(Ti=profile.Ti, Tsnap=tsnap, Ts=profile.Ts, To=to, buffers=buffers)
     kb = k_budget(Ti=profile.Ti, To=to, p=p)
     k = max(kp, kb)
     ky = None

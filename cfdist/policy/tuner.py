@@ -112,7 +112,7 @@ class Tuner:
 
     def __init__(
         self, config: TunerConfig, *, p: float, profile: freq.Profile, k: int, mode: str,
-        mtbf_s: float | None = None, headroom: float = 0.05,
+        mtbf_s: float | None = None, headroom: float = 0.05, buffers: int = 1,
     ):
         if not (isinstance(k, int) and k >= 1):
             raise ValueError(f"Tuner needs a starting k >= 1, got {k!r}")
@@ -124,6 +124,7 @@ class Tuner:
         self.k = k
         self.mode = mode
         self.mtbf_s = mtbf_s
+        self.buffers = buffers
         self.Ti = profile.Ti
         self.Tw = profile.Tw
         self.Ts = profile.Ts
@@ -152,7 +153,7 @@ class Tuner:
     def k_floor(self) -> int:
         """The smallest k the tuner may lower to: hides the persist, and the MTBF optimum
         (Young/Daly with the measured cost per checkpoint once there is one)."""
-        kp = freq.k_persist(Ti=self.Ti, Tsnap=self.Tsnap, Ts=self.Ts, To=self.To_model)
+        kp = freq.k_persist(Ti=self.Ti, Tsnap=self.Tsnap, Ts=self.Ts, To=self.To_model, buffers=self.buffers)
         if self.mtbf_s is not None:
             to = max(self.To_model, self.To_meas or 0.0)
             kp = freq.k_young(Ti=self.Ti, To=to, latency_s=self.Tsnap + self.Ts,

@@ -39,6 +39,8 @@ from typing import Iterable
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 
+from cfdist.storage import direct
+
 # Object stores on which "directories" are prefixes: rename is copy + delete, not atomic.
 _NO_ATOMIC_RENAME = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2"}
 
@@ -186,7 +188,8 @@ class Storage:
         """Write ``chunks`` to a new file ``rel`` (replacing any) and return the byte count.
 
         Locally the file is written with plain ``os`` calls and fsynced before return (when
-        ``fsync``); parent directories are created. Elsewhere through fsspec, whose close()
+        ``fsync``); parent directories are created; inside :func:`cfdist.storage.direct.io_mode`
+        with ``O_DIRECT`` or with the pages dropped from the cache after fsync. Elsewhere through fsspec, whose close()
         uploads the object; if writing fails midway, an object store gets no object at all,
         a local or ``memory://`` file keeps the bytes written so far. Blocks; call it from a
         background thread or process. Errors raised by ``chunks`` itself propagate unchanged
@@ -199,18 +202,19 @@ class Storage:
                 parent = os.path.dirname(path)
                 if parent:
                     os.makedirs(parent, exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
+                done = [0]   # bytes handed to the file so far (for the error message)
+
+                def counted():
                     for c in chunks:
                         mv = memoryview(c).cast("B")
-                        while mv:
-                            w = os.write(fd, mv)
-                            n += w
-                            mv = mv[w:]
-                    if fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
+                        yield mv
+                        done[0] += mv.nbytes
+
+                try:
+                    n = direct.write_local(path, counted(), fsync=fsync, io=direct.current_mode())
+                except BaseException:
+                    n = done[0]
+                    raise
             else:
                 f = self.fs.open(path, "wb")
                 try:

@@ -131,3 +131,19 @@ def test_profile_round_trips_through_dict_and_rejects_unknown_fields():
 def test_budget_must_be_a_fraction(p):
     with pytest.raises(ValueError, match="0.035 for 3.5%"):
         freq.k_budget(Ti=1.0, To=1.0, p=p)
+
+
+@pytest.mark.parametrize(
+    "Ti, Tsnap, Ts, To, buffers, k",
+    [
+        (1.0, 0.3, 0.9, 0.0, 1, 2),    # one set: snapshot + persist must fit one interval
+        (1.0, 0.3, 0.9, 0.0, 2, 1),    # two sets: the latency may span two intervals
+        (1.0, 0.3, 2.5, 0.0, 2, 3),    # ... but one persist per interval (they run one at a time)
+        (1.0, 2.0, 1.5, 0.0, 2, 2),    # a long snapshot: latency 3.5 over two intervals
+        (0.2, 0.1, 1.0, 0.0, 2, 5),    # Ts / Ti sets it
+    ],
+)
+def test_k_persist_with_double_buffering(Ti, Tsnap, Ts, To, buffers, k):
+    assert freq.k_persist(Ti=Ti, Tsnap=Tsnap, Ts=Ts, To=To, buffers=buffers) == k
+    prof = Profile(Ti=Ti, Tw=0.0, Tc=Tsnap, Ts=Ts, m=GB)
+    assert freq.decide(prof, p=0.5, buffers=buffers).k_persist == k

@@ -75,7 +75,8 @@ def crash(a: dict) -> None:
     every step appends what it consumed to ``<out>/a<run>-r0.jsonl`` (the format of
     ``cluster_loops.check_exactly_once``; flushed per step, so a SIGKILL loses none of it).
     ``a["options"]``: storage options (an S3 endpoint); ``a["backend"]``: the persist backend;
-    ``a["stats_every"]``: report ``stats-<run>.json`` every that many steps.
+    ``a["stats_every"]``: report ``stats-<run>.json`` every that many steps; ``a["buffers"]``: sets
+    of snapshot buffers (2: double buffering).
     """
     torch.manual_seed(0)
     hidden, opts = a.get("hidden", 1024), a.get("options") or {}
@@ -89,7 +90,8 @@ def crash(a: dict) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt = cfdist.Checkpointer(state, a["url"], cfdist.Every(a["k"]), keep=a.get("keep", 1),
-                                   storage_options=opts, backend=a.get("backend", "thread"))
+                                   storage_options=opts, backend=a.get("backend", "thread"),
+                                   buffers=a.get("buffers", 1))
         left = leftovers(a["url"], opts)
         restored = ckpt.restore()
     osd = opt.state_dict()["state"]
