@@ -499,6 +499,8 @@ class Checkpointer:
         for h in self._hooks:
             h.remove()
         self._snap.close()
+        if self._persister is not self.backend:
+            self._persister.close()   # its queue (buffers > 1): hands the queued jobs on, then stops
 
     def __enter__(self):
         return self
