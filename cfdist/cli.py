@@ -253,10 +253,11 @@ def logical_nbytes(t: dict) -> int:
 def summarize_manifest(m: dict) -> dict:
     """A short, JSON-able summary of a manifest: sizes per state entry, the small state."""
     per_key: dict[str, list[int]] = {}
+    later_pieces = {p[0] for sp in (m.get("split") or {}).values() for p in sp["pieces"][1:]}
     for name, t in m["tensors"].items():
         key = name.split("/", 1)[0]
         c = per_key.setdefault(key, [0, 0])
-        c[0] += 1
+        c[0] += name not in later_pieces   # a tensor split between writers counts once
         c[1] += logical_nbytes(t)
     skeleton = m.get("skeleton", {})
     late = m.get("late", {})
@@ -266,6 +267,7 @@ def summarize_manifest(m: dict) -> dict:
         "state": {k: {"tensors": per_key.get(k, [0, 0])[0], "bytes": per_key.get(k, [0, 0])[1]}
                   for k in sorted(set(skeleton) | set(late) | set(per_key)) if not k.startswith("_")},
         "shards": [s["file"] for s in m["shards"]],
+        "writers": (m.get("slicing") or {}).get("writers", 1),
         "codecs": m.get("codecs", []), "bytes_stored": m.get("bytes_stored"),
         "depends_on": [d[0] for d in m.get("depends_on", [])],
     }

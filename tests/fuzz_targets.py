@@ -71,6 +71,40 @@ def _build_valid() -> tuple[dict, bytes]:
     return m, shard
 
 
+def sliced_checkpoint() -> tuple[dict, bytes]:
+    """A checkpoint of ``model/w`` alone, split into two U8 pieces, as ``writers="all"`` writes
+    a tensor that a slice boundary crosses (both pieces in one file here: the reader does not care)."""
+    if "sliced" not in _STORE:
+        m, _ = _build_valid()
+        w = m["tensors"].pop("model/w")
+        tensors = {"model/w@bytes0": torch.arange(6, dtype=torch.float32)[:3].view(torch.uint8),
+                   "model/w@bytes12": torch.arange(6, dtype=torch.float32)[3:].view(torch.uint8)}
+        entries, off, data = [], 0, b""
+        for name, t in tensors.items():
+            raw = t.numpy().tobytes()
+            entries.append(TensorEntry(name=name, shard=0, dtype=torch.uint8, shape=(len(raw),), offset=off,
+                                       nbytes=len(raw)))
+            off, data = off + len(raw), data + raw
+        shard = safetensors_header(entries, {"format": "pt"}) + data
+        m["tensors"] = {e.name: e.to_json(xxhash.xxh3_64_hexdigest(data[e.offset:e.offset + e.nbytes]))
+                        for e in entries}
+        m["skeleton"] = {"model": {"w": {"__t__": "model/w"}}, "n": 3}
+        m["shards"][0]["bytes"] = len(shard)
+        m["split"] = {"model/w": {"dtype": w["dtype"], "shape": w["shape"],
+                                  "pieces": [["model/w@bytes0", 0, 12], ["model/w@bytes12", 12, 24]]}}
+        m["slicing"] = {"writers": 2, "align": 4096}
+        _STORE["sliced"] = m, shard
+    m, shard = _STORE["sliced"]
+    return copy.deepcopy(m), shard
+
+
+def sliced_manifest_object(m: dict) -> None:
+    """Target: a sliced checkpoint's manifest with its ``split`` (or anything) mutated, sealed."""
+    _, shard = sliced_checkpoint()
+    _put(seal_manifest(m), shard)
+    _read_all(len(shard))
+
+
 def _put(manifest_raw: bytes | None, shard: bytes | None) -> None:
     s = storage()
     d = step_dir(STEP)
@@ -149,11 +183,13 @@ JSON = st.recursive(SCALARS, lambda c: st.lists(c, max_size=4) | st.dictionaries
 
 
 @st.composite
-def mutated_manifest(draw) -> dict:
-    """A valid manifest with one to three values replaced (by path) with arbitrary JSON."""
-    m, _ = valid_checkpoint()
+def mutated_manifest(draw, sliced: bool = False) -> dict:
+    """A valid manifest (``sliced``: :func:`sliced_checkpoint`'s, mutated under ``split``) with
+    one to three values replaced (by path) with arbitrary JSON."""
+    m, _ = sliced_checkpoint() if sliced else valid_checkpoint()
+    root = m["split"] if sliced else m
     for _ in range(draw(st.integers(1, 3))):
-        node, key = m, None
+        node, key = root, None
         for i in draw(st.lists(st.integers(0, 10), min_size=1, max_size=5)):
             keys = sorted(node) if isinstance(node, dict) else list(range(len(node)))
             if not keys:

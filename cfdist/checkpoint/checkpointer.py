@@ -13,9 +13,10 @@
 
 Call every method from the training thread. In a torch.distributed job every rank builds one
 with the same arguments and calls ``step``, ``save`` and ``restore`` at the same steps; only the
-writer rank (rank 0 by default) copies and persists tensors, and no rank issues a collective on
-the training group: ranks agree on checkpoint steps, restore steps and RNG states through the
-c10d Store (:mod:`cfdist.checkpoint.agreement`).
+writer rank (rank 0 by default) copies and persists tensors -- or, with ``writers="all"``, every
+rank its own slice of them, rank 0 committing (:mod:`cfdist.checkpoint.slices`) -- and no rank
+issues a collective on the training group: ranks agree on checkpoint steps, restore steps, RNG
+states and finished slices through the c10d Store (:mod:`cfdist.checkpoint.agreement`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cfdist.checkpoint import agreement, discovery, peer, retention, roots, state as st
+from cfdist.checkpoint import agreement, discovery, peer, retention, roots, slices, state as st
 from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
@@ -70,7 +71,8 @@ class CheckpointerConfig:
     failed (``stats``, log, ``wait()``), its writer can no longer commit it, training goes on,
     and the next checkpoint is written by a fresh writer into fresh snapshot buffers (the hung
     writer keeps the old ones: one state's size of host memory per hung write). None: wait
-    forever. Applies to the ``"thread"`` and ``"process"`` backends."""
+    forever. Applies to the ``"thread"`` and ``"process"`` backends with one writer (with
+    ``writers="all"``/N rank 0 gives a step up when a slice is missing after ``agree_timeout_s``)."""
     read_retry: RetryPolicy = RetryPolicy()
     """How storage errors while listing or reading checkpoints are retried before restore raises
     (they never make it fall back to an older checkpoint; see :mod:`cfdist.checkpoint.retry`)."""
@@ -80,7 +82,13 @@ class CheckpointerConfig:
     per window."""
     agree_timeout_s: float = 1800.0
     """Multi-rank: how long a rank waits for the others through the store (the agreed k, every
-    rank's RNG states, restore) before raising ``AgreementError`` naming the missing keys."""
+    rank's RNG states, restore, the other writers' slices) before raising ``AgreementError``
+    naming the missing keys."""
+    writers: str | int = "node"
+    """Who persists each checkpoint. ``"node"`` (default): one writer (``writer=``; rank 0 unless
+    told otherwise) writes the full state. ``"all"``: every rank writes a disjoint slice of about
+    ``1/world_size`` of the bytes from its own replica, and rank 0 commits once every slice is
+    durable (:mod:`cfdist.checkpoint.slices`). An int ``N``: ranks ``0..N-1`` write a slice each."""
     buffers: int = 1
     """Sets of snapshot buffers. 1: a snapshot waits until the previous checkpoint's persist
     ended. 2 (double buffering): snapshot i+1 copies into the second set while persist i still
@@ -115,6 +123,10 @@ class CheckpointerConfig:
             raise ValueError(f"buffers must be an int in [1, 4] (sets of snapshot buffers: 2 lets a snapshot "
                              f"start while the previous persist still writes), got {self.buffers!r}")
         check_io(self.io)
+        w = self.writers
+        if not (w in ("node", "all") or (isinstance(w, int) and not isinstance(w, bool) and w >= 1)):
+            raise ValueError(f"writers must be 'node' (one writer per node writes the full state), 'all' (every "
+                             f"rank writes a slice) or an int N >= 1 (ranks 0..N-1 write a slice each); got {w!r}")
         if not isinstance(self.read_retry, RetryPolicy):
             raise TypeError(f"read_retry must be a cfdist.checkpoint.retry.RetryPolicy, got {self.read_retry!r}")
 
@@ -152,7 +164,11 @@ class Checkpointer:
         policy: when to checkpoint (``cfdist.Every(k)``, ``cfdist.EveryEpoch()``,
             ``cfdist.Auto()``); default ``cfdist.Auto()``.
         rank, world_size: default from torch.distributed when initialised, else 0 and 1.
-        writer: whether this process persists (default: rank 0).
+        writer: whether this process persists the whole state (default: rank 0); for
+            ``writers="node"`` only (with ``writers="all"``/N it may be left out, or must agree).
+        writers: ``"node"`` (default: the one ``writer`` writes everything), ``"all"`` (every
+            rank writes a byte-balanced slice, rank 0 commits once all are durable) or an int
+            N (ranks 0..N-1 do). Needs storage every writer sees; see :class:`CheckpointerConfig`.
         backend: ``"thread"``, ``"process"`` or a :class:`PersistBackend` (e.g. a node actor).
         restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
             e.g. an in-memory tier before and a shared tier after the node-local one.
@@ -187,12 +203,12 @@ class Checkpointer:
                  storage_options: dict | None = None, verify: bool = True, store=None,
                  lookahead: int = 8, agree_timeout_s: float = 1800.0, codecs=None,
                  read_retry: RetryPolicy | None = None, persist_timeout_s: float | None = None,
-                 buffers: int = 1, io: str = "auto"):
+                 buffers: int = 1, io: str = "auto", writers: str | int = "node"):
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
                                          backend=backend if isinstance(backend, str) else "thread",
                                          verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s,
                                          read_retry=read_retry or RetryPolicy(), persist_timeout_s=persist_timeout_s,
-                                         buffers=buffers, io=io)
+                                         buffers=buffers, io=io, writers=writers)
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
@@ -200,7 +216,11 @@ class Checkpointer:
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if dist else 0)
         self.world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if dist else 1)
-        self.writer = (self.rank == 0) if writer is None else bool(writer)
+        self._slicer = self._slice_plan(writer, codecs)
+        if self._slicer is not None:
+            self.writer = self.rank < self._slicer.writers
+        else:
+            self.writer = (self.rank == 0) if writer is None else bool(writer)
         self.policy = policy if policy is not None else _default_policy()
         if not (hasattr(self.policy, "should_checkpoint") and hasattr(self.policy, "observe")):
             raise TypeError(f"policy must be a cfdist policy (Every, EveryEpoch, Auto), got {self.policy!r}")
@@ -215,9 +235,18 @@ class Checkpointer:
                             "backends can give a hung write up", persist_timeout_s, type(backend).__name__)
         self._channel, self._rngx = self._agreement_channel(store), None
         self._freq = agreement.Frequency(self._channel, rank=self.rank, lookahead=self.config.lookahead)
+        # The one process that commits, sweeps and keeps the run's files (history, profile).
+        self._commits = commits = self.writer and self.rank == 0 if self._slicer is not None else self.writer
+        if self._slicer is not None and self.writer:
+            self.backend = slices.SliceBackend(self.backend, self._channel, index=self.rank,
+                                               writers=self._slicer.writers)
+            if persist_timeout_s is not None:
+                log.warning("persist_timeout_s=%s cannot give up a slice of a sliced checkpoint (writers=%r); "
+                            "rank 0 gives a step up after agree_timeout_s=%s when a slice does not arrive",
+                            persist_timeout_s, writers, self.config.agree_timeout_s)
         if self._channel is not None:
-            self._rngx = agreement.RngExchange(self._channel, writer=self.writer)
-            if self.writer:
+            self._rngx = agreement.RngExchange(self._channel, writer=commits)
+            if commits:
                 self.backend = agreement.GatherRngBackend(self.backend, self._rngx)
         self._restores = 0
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory,
@@ -230,7 +259,7 @@ class Checkpointer:
                     raise ValueError(f"io='direct' needs local file:// roots; {st_.url} is written through "
                                      f"fsspec: use io='auto'")
                 resolve_io("direct", st_.path())
-        if self.writer:
+        if commits:
             discovery.sweep(self.storages)   # refuses a reordered list or an empty root 0 first
         else:
             roots.check(self.storages, create=False)
@@ -263,6 +292,26 @@ class Checkpointer:
         self._bind_policy()
         self.codecs = resolve_codecs(codecs, self.policy, self._read_json(HISTORY))
         self._codec_session = uuid.uuid4().hex
+
+    def _slice_plan(self, writer: bool | None, codecs) -> "slices.Slicer | None":
+        """The sliced-persist plan of this rank (``writers="all"`` or N >= 2), or None (one writer)."""
+        w = self.config.writers
+        if w == "node":
+            return None
+        n = self.world_size if w == "all" else w
+        if n > self.world_size:
+            raise ValueError(f"writers={w!r} but the job has world_size={self.world_size} rank(s): at most "
+                             f"{self.world_size} can write a slice; pass writers='all' or an int <= {self.world_size}")
+        if writer is not None and bool(writer) != (self.rank < n):
+            raise ValueError(f"writer={writer!r} contradicts writers={w!r} on rank {self.rank}: with writers='all' "
+                             f"or N, ranks 0..{n - 1} write a slice each and the others none; pass one of writer= "
+                             f"(one writer per node) or writers=, not both")
+        if n == 1:
+            return None
+        if codecs:
+            raise ValueError(f"writers={w!r} cannot be combined with codecs={codecs!r} yet: codecs encode whole "
+                             f"tensors against per-writer references; use writers='node' with codecs")
+        return slices.Slicer(self.rank if self.rank < n else 0, n)
 
     def _agreement_channel(self, store):
         """This Checkpointer's namespace in the store ranks agree through (None: one process)."""
@@ -319,7 +368,7 @@ class Checkpointer:
     def _save_profile(self) -> None:
         fn = getattr(self.policy, "profile_to_save", None)
         prof = fn() if fn else None
-        if prof is not None and self.writer and getattr(self, "_profile_name", None):
+        if prof is not None and self._commits and getattr(self, "_profile_name", None):
             try:
                 self.storages[0].write_atomic(self._profile_name, json.dumps(prof).encode())
             except OSError as e:
@@ -557,8 +606,10 @@ class Checkpointer:
         if self.writer:
             mode = getattr(self.policy, "mode", "cpu")
             self._snap.select(slot)
-            self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu",
-                             first=st.mutable_in_forward(self.state, tensors))
+            first = st.mutable_in_forward(self.state, tensors)
+            if self._slicer is not None:   # this rank's slice only: whole tensors and pieces
+                tensors, first = self._slicer.select(tensors, first)
+            self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu", first=first)
             self._pending["tensors"] = tensors
             self._snap_host_future = self._snap._pool.submit(self._snap.stage_to_host)
             self._snap_host_future.add_done_callback(lambda f: self._try_submit())
@@ -615,11 +666,18 @@ class Checkpointer:
                 return
             self._stats["snapshot_s"] += self._snap.last_copy_s or 0.0
             layout, host = self._snap.arenas(p["slot"])
-            shards = [ShardJob(index=i, count=len(layout), root=i % len(self.storages),
-                               nbytes=host[i].nbytes, entries=es, arena_path=host[i].path)
-                      for i, es in enumerate(layout)]
+            indexed = list(enumerate(layout))
+            count = len(layout)
             manifest = {"epoch": p["epoch"], "epoch_end": p["epoch_end"], "world_size": self.world_size,
                         "skeleton": p["skeleton"], "late": p["late"], "rng": p["rng"], "lineage": self._lineage}
+            if self._slicer is not None:   # shard j of writer w is shard w*R + j, on root j
+                indexed = slices.global_shards(self.rank, layout, self._slicer.writers)
+                count = len(layout) * self._slicer.writers
+                manifest.update(slicing={"writers": self._slicer.writers, "align": slices.ALIGN},
+                                split=self._slicer.split)
+            shards = [ShardJob(index=g, count=count, root=i % len(self.storages), nbytes=host[i].nbytes,
+                               entries=es, arena_path=host[i].path)
+                      for i, (g, es) in enumerate(indexed)]
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
                              arenas=[a.buf for a in host], codecs=self.codecs, io=self.config.io,
@@ -807,7 +865,7 @@ class Checkpointer:
                 self._rolled_back.setdefault(other.step, why)
 
     def _record_restart(self, step: int) -> None:
-        if not self.writer:
+        if not self._commits:
             return
         hist = self._read_json(HISTORY) or {"restarts": []}
         hist["restarts"].append({"time": time.time(), "step": step})

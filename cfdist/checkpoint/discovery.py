@@ -7,6 +7,7 @@ against the manifest, and every path comes from a validated manifest.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
 import os
@@ -21,12 +22,15 @@ from cfdist.checkpoint.format import (
     MANIFEST, ST_TO_TORCH, TMP_MARK, CheckpointError, check_seal, parse_safetensors_header, parse_step_dir,
     seal_manifest, step_dir, validate_manifest,
 )
-from cfdist.checkpoint import codecs
+from cfdist.checkpoint import codecs, slices
 from cfdist.checkpoint.flatten import unflatten
 from cfdist.checkpoint.retry import RetryPolicy, retrying
 from cfdist.storage import Storage, open_storages
 
 log = logging.getLogger("cfdist.discovery")
+
+READERS = 8
+"""Shard files one restore reads at once."""
 
 
 LATEST_HINT = "LATEST.json"
@@ -133,6 +137,7 @@ def read_manifest(storages: list[Storage], step: int) -> dict:
     except RecursionError:
         raise CheckpointError(f"{where} is not a manifest: its JSON nests too deeply") from None
     m = validate_manifest(m, where=where)
+    slices.check_split(m, where=where)
     check_seal(m, where=where)
     if int(m["step"]) != step:
         raise CheckpointError(f"{where} says step {m['step']}, expected {step}")
@@ -145,13 +150,21 @@ def read_manifest(storages: list[Storage], step: int) -> dict:
 def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: bool = True,
                  names: set[str] | None = None, decode: bool = True) -> dict[str, torch.Tensor]:
     """Read (and checksum) the tensors of a committed checkpoint into fresh CPU tensors;
-    ``decode=False`` leaves the tensors that codecs encoded as their stored uint8 bytes."""
+    ``decode=False`` leaves the tensors that codecs encoded as their stored uint8 bytes.
+
+    Shard files are read in parallel (up to :data:`READERS` at a time), each once; the pieces
+    of tensors split over the writers of a sliced checkpoint are joined after their checksums.
+    """
     out: dict[str, torch.Tensor] = {}
     by_shard: dict[int, list[str]] = {}
+    split = manifest.get("split") or {}
+    if names is not None:
+        names = set(names) | {p[0] for n in names if n in split for p in split[n]["pieces"]}
     for name, t in manifest["tensors"].items():
         if names is None or name in names:
             by_shard.setdefault(t["shard"], []).append(name)
-    for i, tnames in sorted(by_shard.items()):
+
+    def read_shard(i: int, tnames: list[str]) -> None:
         sh = manifest["shards"][i]
         st = storages[sh["root"]]
         rel = f"{step_dir(step)}/{sh['file']}"
@@ -184,6 +197,14 @@ def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: 
                 out[name] = torch.empty(t["shape"], dtype=dtype)
             else:
                 out[name] = torch.frombuffer(chunk, dtype=torch.uint8).view(dtype).reshape(t["shape"])
+    if len(by_shard) > 1:
+        with cf.ThreadPoolExecutor(min(READERS, len(by_shard)), thread_name_prefix="cfdist-read") as ex:
+            for f in [ex.submit(read_shard, i, tn) for i, tn in sorted(by_shard.items())]:
+                f.result()
+    else:
+        for i, tn in by_shard.items():
+            read_shard(i, tn)
+    out = slices.join(manifest, out)
     return codecs.decode_tensors(storages, step, manifest, out, verify=verify) if decode else out
 
 

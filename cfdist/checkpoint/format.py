@@ -15,6 +15,18 @@ bytes back to back, ordered by element size (largest first) so every tensor is a
 The manifest holds the skeleton of the state, every tensor's shard/offset/dtype/shape and its
 xxh3-64 checksum, and the small state (iterator, RNG, scheduler, step, epoch).
 
+**Sliced checkpoints** (``Checkpointer(writers="all" | N)``, :mod:`cfdist.checkpoint.slices`).
+Writer ``w`` of ``N`` writes shard ``w*R + j`` of ``N*R`` on root ``j`` (``R`` roots); each of
+its manifest ``shards`` entries adds ``"writer": w``. A tensor split between writers is stored
+as 1-D ``U8`` pieces named ``<name>@bytes<start>`` (ordinary entries, each with its checksum),
+and the manifest adds::
+
+    "slicing": {"writers": 2, "align": 4096}
+    "split":   {"<name>": {"dtype": "F32", "shape": [4096, 1024],
+                           "pieces": [["<name>@bytes0", 0, 8388608], ["<name>@bytes8388608", 8388608, 16777216]]}}
+
+Readers join the pieces (in order, tiling the tensor's bytes exactly) after their checksums.
+
 **Codecs** (``Checkpointer(codecs=[...])``, :mod:`cfdist.checkpoint.codecs`). Without codecs
 the format above is unchanged, byte for byte. With codecs, an encoded tensor stays in the same
 shard, as a 1-D ``U8`` tensor of its encoded bytes (so the shard is still a valid safetensors

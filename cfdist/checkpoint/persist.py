@@ -16,6 +16,11 @@ writer thread, a writer subprocess, a Ray node actor):
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
+A sliced checkpoint (``writers="all"``, :mod:`cfdist.checkpoint.slices`) runs the same function
+in parts: step 0 alone (rank 0), step 1 for each writer's slice (``commit=False``: its entries
+come back in ``CommitInfo.slice``), then steps 2-4 by rank 0 with every slice's entries
+(``slices=``), after checking each file is in place.
+
 **Hung writes.** A write that blocks (a dead NFS server, an object store that stops answering)
 is given up after the Checkpointer's ``persist_timeout_s``: the waiter :meth:`CommitGate.abandon`\ s
 the job's gate, and the writer must :meth:`CommitGate.claim` that same gate right before its
@@ -60,8 +65,9 @@ import xxhash
 
 from cfdist.checkpoint import codecs, rejected, retention
 from cfdist.checkpoint.format import (
-    FORMAT, MANIFEST, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
+    FORMAT, MANIFEST, TMP_MARK, TensorEntry, safetensors_header, seal_manifest, shard_name, step_dir,
 )
+from cfdist.checkpoint.slices import SliceError
 from cfdist.checkpoint.snapshot import attach_arena
 from cfdist.storage import Storage, open_storages
 from cfdist.storage import direct as direct_io
@@ -117,6 +123,22 @@ class PersistJob:
     thread already overlaps the checksums with the writes; more were slower on ext4 over a
     virtio disk (extending writes to one file serialize; ``bench/bench_persist.py --threads``),
     and may help on NVMe."""
+    commit: bool = True
+    """False (a slice of a sliced checkpoint): write and fsync the shards only, into the shared
+    staging directory, and return their manifest entries as ``CommitInfo.slice``; another
+    writer commits (:mod:`cfdist.checkpoint.slices`)."""
+    slices: list[dict] | None = None
+    """Committing a sliced checkpoint: every writer's ``CommitInfo.slice``, already durable in
+    the shared staging directory; they make up the manifest's shards and tensors."""
+    staging_tag: str | None = None
+    """Sliced checkpoints: the staging directory every writer shares, ``<step dir>.tmp-<tag>``."""
+    writer: int | None = None
+    """Sliced checkpoints: the writer index recorded with each shard in the manifest."""
+    clear: bool = True
+    """First make room for the step (a committed step directory of the same number is moved
+    aside, an uncommitted one removed). Sliced checkpoints do it once, in a job of their own
+    (``commit=False``, no shards) before any writer starts: on object stores the slices are
+    written under the final prefix, which a later clearing would delete."""
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -140,6 +162,8 @@ class CommitInfo:
     io: str | None = None
     """How the shards were written: ``"direct"``, ``"buffered"``, ``"plain"`` (no I/O mode
     asked), ``"fsspec"`` (a remote backend), or several joined by ``+`` (roots differed)."""
+    slice: dict | None = None
+    """A job with ``commit=False``: its shards' and tensors' manifest entries (JSON-able)."""
 
 
 # ---- who decides a persist's fate: the writer (commit) or the waiter (abandon) ------------------
@@ -296,12 +320,19 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
         raise PersistAbandoned(f"persist of step {job.step} was given up before it started")
     # Left by a run that rolled back past this step: it would block the publish, and on object
     # stores new shards would land under its manifest. Moved aside, never deleted.
-    rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
-        job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
+    if job.clear:
+        rejected.clear_for_commit(storages, job.step, why=(job.rolled_back or {}).get(
+            job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
+    if not (job.commit or job.shards):   # only the clearing
+        return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=0, seconds=time.perf_counter() - t0)
     arenas = job.arenas
     if arenas is None:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]
-    staging = {r: storages[r].staging_dir(final) for r in {s.root for s in job.shards} | {0}}
+    arenas = {s.index: a for s, a in zip(job.shards, arenas)}
+    parts = job.slices or []
+    staging = {r: (f"{final}{TMP_MARK}{job.staging_tag}" if job.staging_tag and storages[r].atomic_rename
+                   else storages[r].staging_dir(final))
+               for r in {s.root for s in job.shards} | {0} | {sh["root"] for p in parts for sh in p["shards"]}}
     sums: dict[str, str] = {}
     enc = codecs.begin(storages, job.step, job.codecs, job.codec_session)
     written: dict[int, codecs.EncodedShard] = {}
@@ -325,22 +356,31 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
         storages[r].fsync_dir(staging[r])
         return n
 
-    roots = sorted(staging)
+    roots = sorted({s.root for s in job.shards} | {0})
     if len(roots) == 1:
         total = write_root(roots[0])
     else:
         with cf.ThreadPoolExecutor(len(roots), thread_name_prefix="cfdist-stripe") as ex:
             total = sum(ex.map(write_root, roots))
-    for r in roots:
+    shards = [{"file": shard_name(s.index, s.count), "root": s.root, "bytes": written[s.index].nbytes,
+               **({"writer": job.writer} if job.writer is not None else {})} for s in job.shards]
+    tensors = {e.name: {**e.to_json(sums[e.name]), **written[s.index].extra.get(e.name, {})}
+               for s in job.shards for e in written[s.index].entries}
+    nbytes = job.nbytes
+    if not job.commit:
+        return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total,
+                          seconds=time.perf_counter() - t0, bytes_logical=nbytes,
+                          slice={"shards": [dict(sh, index=s.index) for sh, s in zip(shards, job.shards)],
+                                 "tensors": tensors, "nbytes": nbytes, "written": total})
+    if parts:
+        shards, tensors, nbytes, total = _join_slices(storages, staging, parts, job.step)
+    for r in sorted(staging):
         if r != 0:
             storages[r].publish(staging[r], final)
     manifest = dict(job.manifest)
     manifest.update(
-        format=FORMAT, step=job.step, time=time.time(), bytes=job.nbytes, roots=len(storages),
-        shards=[{"file": shard_name(s.index, s.count), "root": s.root, "bytes": written[s.index].nbytes}
-                for s in job.shards],
-        tensors={e.name: {**e.to_json(sums[e.name]), **written[s.index].extra.get(e.name, {})}
-                 for s in job.shards for e in written[s.index].entries},
+        format=FORMAT, step=job.step, time=time.time(), bytes=nbytes, roots=len(storages),
+        shards=shards, tensors=tensors,
     )
     if enc is not None:
         manifest.update(enc.manifest_fields())
@@ -361,8 +401,24 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
                               reasons=job.rolled_back)
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
     return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total, seconds=seconds,
-                      deleted=tuple(deleted), bytes_logical=job.nbytes,
+                      deleted=tuple(deleted), bytes_logical=nbytes,
                       io="+".join(sorted({m for m in modes.values() if m})) or None)
+
+
+def _join_slices(storages: list[Storage], staging: dict[int, str], parts: list[dict], step: int):
+    """The manifest's shards and tensors from every writer's slice, once each file is in place."""
+    shards = sorted((sh for p in parts for sh in p["shards"]), key=lambda sh: sh["index"])
+    if [sh["index"] for sh in shards] != list(range(len(shards))):
+        raise SliceError(f"the slices of step {step} do not make up a checkpoint: shards "
+                           f"{[sh['index'] for sh in shards]} (a writer used another writers= or roots)")
+    for sh in shards:
+        if not storages[sh["root"]].exists(f"{staging[sh['root']]}/{sh['file']}"):
+            raise SliceError(f"{storages[sh['root']].url_of(staging[sh['root']])}/{sh['file']}, written by "
+                               f"writer {sh.get('writer')} for step {step}, is gone (swept by a restart?); "
+                               f"not committing")
+    tensors = {k: v for p in parts for k, v in p["tensors"].items()}
+    return ([{k: v for k, v in sh.items() if k != "index"} for sh in shards], tensors,
+            sum(p["nbytes"] for p in parts), sum(p["written"] for p in parts))
 
 
 # ---- backends ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import struct
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cfdist.checkpoint import discovery
@@ -33,6 +34,20 @@ def test_fuzz_manifest_bytes(raw):
 @given(ft.mutated_manifest(), st.booleans())
 def test_fuzz_manifest_structure(m, seal):
     ft.manifest_object(m, seal=seal)
+
+
+@CI
+@given(ft.mutated_manifest(sliced=True))
+def test_fuzz_sliced_manifest_split(m):
+    ft.sliced_manifest_object(m)
+
+
+def test_the_valid_sliced_checkpoint_reads_and_joins_its_pieces():
+    m, shard = ft.sliced_checkpoint()
+    ft._put(seal_manifest(m), shard)
+    got = discovery.read_tensors([ft.storage()], ft.STEP, discovery.read_manifest([ft.storage()], ft.STEP))
+    assert set(got) == {"model/w"}   # its two pieces, joined
+    assert torch.equal(got["model/w"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
 
 
 @CHEAP
