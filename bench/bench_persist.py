@@ -24,8 +24,11 @@ Then a **simulation** (labelled so in the output): FastPersist's 8 -> 64 node cu
 per node, from the measured per-disk persist bandwidth ``B`` and Store round trip ``t``: a
 checkpoint of ``M`` bytes written by one node takes ``M / B``; split over ``N`` nodes it takes
 ``M / (N B) + t (2 + N)`` (every writer reports once, the committer waits and commits).
-``--writers`` (several ranks writing slices on this machine) is an axis for when
-``Checkpointer(writers=...)`` exists; until then only ``1`` is accepted.
+``--writers 1,2,4`` adds the writers axis: for each number of ranks N, N gloo processes holding
+the same ``--writers-mb`` state checkpoint it once with one writer (``writers="node"``) and once
+with every rank writing a slice (``writers="all"``), alternating round by round, timed from the
+outside (rank 0's snapshot to the manifest visible on storage:
+``bench/bench_parallel_persist.py``'s measurement). On one disk the writers share its bandwidth.
 
 Output: ``<out>/persist.json`` and ``<out>/persist.md`` (machine, filesystem, tables, ratios).
 """
@@ -121,6 +124,25 @@ def simulate(bw: float, rt: float, sizes_gb=(10, 100), nodes=(1, 8, 16, 32, 64))
     return rows
 
 
+def writers_axis(a, base: str) -> dict:
+    """Snapshot-to-commit seconds, one writer vs every rank, for each N in ``a.writers``."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_parallel_persist import one
+
+    out: dict = {"mb": a.writers_mb, "rows": {}}
+    for n in a.writers:
+        modes = [("node", "node")] + ([("all", "all")] if n > 1 else [])
+        rows: dict[str, list[float]] = {m: [] for m, _ in modes}
+        for r in range(a.rounds):
+            for name, mode in (modes if r % 2 == 0 else modes[::-1]):
+                s, out["bytes"] = one(n, a.writers_mb, mode, base)
+                rows[name].append(s)
+            print(f"  writers axis, {n} rank(s), round {r + 1}/{a.rounds}: " + ", ".join(
+                f"writers={k} {v[-1]:.3f} s" for k, v in rows.items()), flush=True)
+        out["rows"][str(n)] = rows
+    return out
+
+
 def run(a) -> dict:
     torch.set_num_threads(1)
     base = os.path.abspath(a.dir or tempfile.gettempdir())
@@ -161,6 +183,8 @@ def run(a) -> dict:
         del tensors
     buf.close()
     res["store_add_s"] = store_round_trip()
+    if a.writers != [1]:
+        res["writers"] = writers_axis(a, base)
     big = res["sizes"][str(max(a.sizes))]
     best = max((k for k in big if k.startswith("persist") and "roots=1 " in k),
                key=lambda k: big["bytes"] / statistics.median(x["s"] for x in big[k]))
@@ -212,6 +236,19 @@ def markdown(res: dict) -> str:
             cpu = f"{statistics.median(cpu) / (n / 1e9):.2f}" if cpu else ""
             out.append(f"| {k}{io} | {_mbs(n, v)} | {f'{rb:.2f}x' if rb else ''} | {f'{rd:.2f}x' if rd else ''} | {cpu} |")
         out.append("")
+    if res.get("writers"):
+        w = res["writers"]
+        out += [f"## Writers: one writer vs every rank writing a slice ({w['bytes'] / MB:.0f} MB state)", "",
+                "Seconds from rank 0's snapshot to the manifest visible on storage, median [min, max] over "
+                "alternating rounds; N gloo ranks on this machine, all writing to the one disk.", "",
+                "| ranks | writers=node (one writer) | writers=all | one / all |", "|---:|---:|---:|---:|"]
+        for n, rows in w["rows"].items():
+            one_ = sorted(rows["node"])
+            all_ = sorted(rows.get("all", []))
+            cell = lambda v: f"{statistics.median(v):.3f} [{v[0]:.3f}, {v[-1]:.3f}]" if v else "-"   # noqa: E731
+            ratio = f"{statistics.median(one_) / statistics.median(all_):.2f}x" if all_ else ""
+            out.append(f"| {n} | {cell(one_)} | {cell(all_)} | {ratio} |")
+        out.append("")
     st = res["store_add_s"]
     sim = res["simulation"]
     out += [f"c10d Store round trip (TCPStore on loopback, `add`): median {st['median'] * 1e6:.0f} us "
@@ -242,7 +279,8 @@ def main(argv=None) -> int:
                    help="O_DIRECT writer threads per file; the first is used everywhere, the others at the "
                         "largest size (default 1,2,4)")
     p.add_argument("--writers", type=ints, default=[1],
-                   help="ranks writing slices (needs Checkpointer(writers=...); only 1 for now)")
+                   help="ranks for the writers axis, e.g. 1,2,4 (default 1: no writers axis)")
+    p.add_argument("--writers-mb", type=float, default=200.0, help="state size of the writers axis (MB)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the files are written (default: the temp dir)")
     p.add_argument("--out", default=os.path.join("cfdist-runs", "persist"))
@@ -250,9 +288,6 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="4 and 16 MB, one round (a smoke test)")
     p.add_argument("--render", metavar="JSON", default=None, help="only write the markdown of an earlier persist.json")
     a = p.parse_args(argv)
-    if a.writers != [1]:
-        p.error(f"--writers {a.writers}: several writing ranks need Checkpointer(writers=...), which this "
-                f"checkout does not have; use --writers 1")
     if a.render:
         with open(a.render) as f:
             res = json.load(f)
@@ -262,7 +297,7 @@ def main(argv=None) -> int:
             f.write(markdown(res))
         return 0
     if a.quick:
-        a.sizes, a.rounds, a.roots, a.threads = [4, 16], 1, [1, 2], [1, 2]
+        a.sizes, a.rounds, a.roots, a.threads, a.writers_mb = [4, 16], 1, [1, 2], [1, 2], 8.0
     res = run(a)
     if a.note:
         res["note"] = a.note

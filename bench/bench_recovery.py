@@ -12,7 +12,9 @@ directory), one DDP job (an MLP, gloo, 1 rank per node) runs:
 
 1. ``overhead``: without checkpoints, then with ``Every(k)`` and ``Auto()`` and no failure:
    seconds per step side by side, and the checkpoint overhead as their ratio;
-2. ``recovery``: once per tier, with ``--failures`` failures injected ``--gap`` steps apart:
+2. ``memory-every``: ``Auto()`` with ``memory_every=1`` (a memory-tier snapshot every step)
+   and without, interleaved: seconds per step and fit's wall time;
+3. ``recovery``: once per tier, with ``--failures`` failures injected ``--gap`` steps apart:
    ``memory`` (a rank's process SIGKILLed), ``local`` (same, memory tier off), ``peer`` (a node
    lost - every process of it SIGKILLed - and the spare node seeded from the survivor's actor;
    a fresh node joins after each), ``shared`` (the same with peer copies off). Each recovery is
@@ -87,6 +89,14 @@ def seconds_per_step(records: list[dict], skip: int = 10) -> float:
     return (steps[-1]["t"] - steps[0]["t"]) / max(1, steps[-1]["step"] - steps[0]["step"])
 
 
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    """(first, third) quartile of ``xs`` (nan when fewer than 2)."""
+    if len(xs) < 2:
+        return (float("nan"), float("nan"))
+    q = statistics.quantiles(xs, n=4)
+    return (q[0], q[2])
+
+
 def _schedule(tier: str, failures: int, gap: int, first: int):
     from cfdist.cluster import AtStep, StepSchedule
 
@@ -108,7 +118,8 @@ def main(argv=None) -> int:
     from cfdist.cluster.local_cluster import LocalCluster
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", nargs="+", default=["overhead", "recovery"], choices=["overhead", "recovery"])
+    p.add_argument("--sections", nargs="+", default=["overhead", "recovery"],
+                   choices=["overhead", "memory-every", "recovery"])
     p.add_argument("--hidden", type=int, default=256, help="MLP width (state = ~2 x 4 B x params)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=150, help="steps of the overhead runs")
@@ -135,6 +146,8 @@ def main(argv=None) -> int:
               f"{a.failures} failures per tier, {a.gap} steps apart; work dir {work}; load {os.getloadavg()[0]:.1f}")
     lc = LocalCluster(num_nodes=3).start()
 
+    walls: dict[str, float] = {}
+
     def run(name, *, policy, steps, schedule=None, **kw):
         while len(lc.nodes) < 3:
             lc.add_node()
@@ -145,8 +158,10 @@ def main(argv=None) -> int:
         res = fit(loop, num_nodes=2, workers_per_node=1, storage=f"file://{work}/{{node}}/local",
                   policy=policy, preemption=schedule, run_name=name, progress=False, event_log=log,
                   remove_node=lc.remove_node, add_node=lc.add_node, max_failures=a.failures + 3, **kw)
-        con.print(f"  {name}: {time.perf_counter() - t0:.1f}s wall, final step {res.final_step}, "
+        wall = time.perf_counter() - t0
+        con.print(f"  {name}: {wall:.1f}s wall, final step {res.final_step}, "
                   f"failures {res.failures}, skipped injections {len(res.skipped_injections)}")
+        walls[name] = wall
         return res, read_event_log(log)
 
     out = {"config": vars(a), "params": params, "load_avg": os.getloadavg()[0]}
@@ -166,6 +181,20 @@ def main(argv=None) -> int:
             out["overhead"] = {n: {"s_per_step": statistics.median(v), "all": v,
                                    "ratio": statistics.median(v) / base,
                                    "rank0_stall_fraction": statistics.fmean(stall[n])} for n, v in sps.items()}
+        if "memory-every" in a.sections:
+            # Auto with and without a memory snapshot every step, interleaved (A B A B ...): the
+            # training loop's steady-state seconds per step, and fit's wall time from outside
+            runs: dict[str, dict[str, list[float]]] = {n: {"s_per_step": [], "wall_s": []} for n in ("off", "1")}
+            for i in range(a.reps):
+                for n in runs:
+                    res, recs = run(f"memory-every-{n}-{i}", policy=cfdist.Auto(), steps=a.steps,
+                                    memory_every=None if n == "off" else 1)
+                    runs[n]["s_per_step"].append(seconds_per_step(recs))
+                    runs[n]["wall_s"].append(walls[f"memory-every-{n}-{i}"])
+            base = statistics.median(runs["off"]["s_per_step"])
+            out["memory_every"] = {n: {**v, "median_s_per_step": statistics.median(v["s_per_step"]),
+                                       "median_wall_s": statistics.median(v["wall_s"]),
+                                       "ratio": statistics.median(v["s_per_step"]) / base} for n, v in runs.items()}
         if "recovery" in a.sections:
             extra = {"memory": {}, "local": {"memory_tier": False}, "peer": {},
                      "shared": {"peer_copy": False, "shared_storage": f"file://{work}/shared", "shared_every": 1}}
@@ -181,10 +210,13 @@ def main(argv=None) -> int:
                 out["recovery"][tier] = {
                     "n": len(phases), "restored_from": sorted({ph["tier"] for ph in phases}),
                     "lost_iters": res.lost_iterations, "reused": [ph["reused"] for ph in phases],
+                    "recycled": [ph["recycled"] for ph in phases],
                     "median": {k: statistics.median([ph[k] for ph in phases if ph[k] is not None] or [float("nan")])
                                for k in (*RESTART_PHASES, "spare_wait", "spawn", "setup", "load", "total")},
+                    "total_quartiles": _quartiles([ph["total"] for ph in phases]),
                     "all": phases}
     finally:
+        out["load_avg_end"] = os.getloadavg()[0]
         lc.close()
         if a.out is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -197,19 +229,33 @@ def main(argv=None) -> int:
             t.add_row(name, f"{o['s_per_step']:.4f}", f"{o['ratio']:.3f}", f"{100 * o['rank0_stall_fraction']:.2f}%")
         t.caption = f"median of {a.reps} interleaved runs each, steady state (steps > 10)"
         con.print(t)
+    if "memory_every" in out:
+        t = Table(title="Auto() with memory_every=1 (a memory-tier snapshot every step) vs off")
+        for c in ("memory_every", "s/step (median)", "all runs", "vs off", "fit wall s (median)"):
+            t.add_column(c, justify="right")
+        for n, o in out["memory_every"].items():
+            t.add_row(n, f"{o['median_s_per_step']:.4f}", " ".join(f"{x:.4f}" for x in o["s_per_step"]),
+                      f"{o['ratio']:.3f}", f"{o['median_wall_s']:.1f}")
+        t.caption = f"{a.reps} interleaved runs each, {a.steps} steps, steady state (steps > 10)"
+        con.print(t)
     if "recovery" in out:
-        t = Table(title=f"recovery, medians over the failures of each tier (seconds; load avg {out['load_avg']:.1f})")
-        for c in ("tier", "n", "restored from", "detect", "restart", "(spare wait)", "(spawn)", "(rendezvous)", "restore",
-                  "(setup)", "(load)", "first step", "total", "lost iters (max)"):
+        t = Table(title=f"recovery, medians over the failures of each tier (seconds; load avg "
+                  f"{out['load_avg']:.1f} at start, {out['load_avg_end']:.1f} at end)")
+        for c in ("tier", "n", "restored from", "spares (in process)", "detect", "restart", "(spare wait)", "(spawn)",
+                  "(rendezvous)", "restore", "(setup)", "(load)", "first step", "total", "total q1-q3", "lost iters (max)"):
             t.add_column(c, justify="right")
         for tier, r in out["recovery"].items():
             m = r["median"]
+            q = r["total_quartiles"]
             t.add_row(tier, str(r["n"]), ",".join(map(str, r["restored_from"])),
+                      f"{statistics.median(r['reused'] or [0]):g} ({statistics.median([x or 0 for x in r['recycled']] or [0]):g})",
                       *(f"{m[k]:.3f}" for k in ("detect", "restart", "spare_wait", "spawn", "rendezvous", "restore", "setup",
                                                  "load", "first_step", "total")),
-                      str(max(r["lost_iters"], default=0)))
+                      f"{q[0]:.2f}-{q[1]:.2f}", str(max(r["lost_iters"], default=0)))
         con.print(t)
-        con.print("detect: failure -> seen by the driver; restart: -> new group running (spawn: warm spares "
+        con.print("spares: ranks of the new group that were warm spares (in process: the failed group's "
+                  "survivors, re-formed without a process start); "
+                  "detect: failure -> seen by the driver; restart: -> new group running (spawn: warm spares "
                   "taken or processes started; rendezvous: torch.distributed init); restore: -> state loaded "
                   "(setup: training function start until restore(); load: reading it); first step: -> the "
                   "first step after it completed; total: failure -> that step")

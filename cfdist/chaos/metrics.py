@@ -279,7 +279,8 @@ def recovery_phases(records: Iterable[dict]) -> list[dict]:
     record), ``restore`` (restarted to restored, of which
     ``setup``: the training function until its ``ckpt.restore()``, and ``load``), ``first_step``
     (restored to the first step completed) and ``total`` (failure to that step); plus ``tier``,
-    ``kind`` and ``reused`` (warm spares in the new group). A failure during a recovery
+    ``kind``, ``reused`` (warm spares in the new group) and ``recycled`` (of those, ranks of the
+    failed group re-formed in process). A failure during a recovery
     discards that recovery (it has no clean phases).
     """
     out: list[dict] = []
@@ -296,6 +297,7 @@ def recovery_phases(records: Iterable[dict]) -> list[dict]:
             d, s_, rs = cur["detected"], cur["restarted"], cur["restored"]
             out.append({
                 "kind": cur["kind"], "tier": rs.get("tier"), "reused": s_.get("reused"),
+                "recycled": s_.get("recycled"),
                 "detect": d["t"] - cur["t"], "restart": s_["t"] - d["t"], "spare_wait": s_.get("spare_wait_s"),
                 "spawn": s_.get("spawn_s"),
                 "rendezvous": s_.get("rendezvous_s"), "restore": rs["t"] - s_["t"], "setup": rs.get("setup_s"),

@@ -536,6 +536,21 @@ class Checkpointer:
                 self._persister.close()
             self.backend.close()
 
+    def abandon(self) -> None:
+        """Drop this Checkpointer without waiting for its persist: its training attempt failed
+        (a peer rank died) and the process is reused for the next one. Removes the hooks, lets
+        the snapshot copy in progress finish, frees the arenas and threads; a persist in flight
+        is left to its backend (a node actor refuses a replaced attempt's persist). Call on the
+        training thread after the loop was left; never raises for the failed attempt's errors."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._snap.close()
+        if self._persister is not self.backend:
+            self._persister.close()   # its queue (buffers > 1): hands the queued jobs on, then stops
+
     def __enter__(self):
         return self
 

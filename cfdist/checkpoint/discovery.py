@@ -99,11 +99,12 @@ def sweep(storages: list[Storage]) -> list[str]:
     return removed
 
 
-def _read_inside(st: Storage, step: int, name: str) -> bytes:
+def _read_inside(st: Storage, step: int, name: str, *, mapped: bool = False) -> bytes | memoryview:
     """The bytes of ``<step dir>/<name>``, refusing a file that resolves outside the step directory.
 
     A local shard or manifest that is a symlink (to /etc/passwd, to another checkpoint) is a
-    content error: nothing outside a checkpoint's own directory is ever read.
+    content error: nothing outside a checkpoint's own directory is ever read. ``mapped``: a
+    writable buffer, memory-mapped where the file is local (:meth:`Storage.read_mapped`).
     """
     rel = f"{step_dir(step)}/{name}"
     if getattr(st, "is_local", False):   # (a frozen in-memory copy has no paths)
@@ -113,7 +114,7 @@ def _read_inside(st: Storage, step: int, name: str) -> bytes:
             raise CheckpointError(f"{st.url_of(rel)} resolves to {real}, outside its checkpoint directory "
                                   f"(a symlink?); refusing to read it")
     try:
-        return st.read_bytes(rel)
+        return st.read_mapped(rel) if mapped else st.read_bytes(rel)
     except IsADirectoryError:
         raise CheckpointError(f"{st.url_of(rel)} is a directory, not a file") from None
 
@@ -169,7 +170,9 @@ def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: 
         rel = f"{step_dir(step)}/{sh['file']}"
         where = st.url_of(rel)
         try:
-            raw = bytearray(_read_inside(st, step, sh["file"]))
+            # mapped: a shard in the memory tier (tmpfs) or on local disk is not copied into
+            # this process before the live tensors are loaded from it
+            raw = _read_inside(st, step, sh["file"], mapped=True)
         except FileNotFoundError:
             raise CheckpointError(f"{where} is missing") from None
         start, hdr = parse_safetensors_header(raw, where=where)

@@ -63,6 +63,7 @@ class Controller:
         self._stall_s = 0.0
         self._attempt_stall = 0.0
         self._running_s = 0.0
+        self._refilled = True        # warm spares replaced since the attempt started
         self._running_since: float | None = None
         self._final_url: str | None = None
         self._t0 = clock()
@@ -165,12 +166,13 @@ class Controller:
         self._world_sizes.append(group.world_size)
         phases = {f"{k}_s": round(v, 6) for k, v in (getattr(group, "phases", None) or {}).items()}
         self.events.emit("restarted", world_size=group.world_size, nodes=len(chosen), attempt=self.attempt,
-                         reused=getattr(group, "reused", 0), **phases)
+                         reused=getattr(group, "reused", 0), recycled=getattr(group, "recycled", 0), **phases)
         self._attempt_base = choice.step or 0
         self._committed = {k for k in self._committed if k[0] <= self._attempt_base}
         self.step_now = self._attempt_base
         self._attempt_stall = 0.0
         self._running_since = now
+        self._refilled = False
         if self._recovery is not None:
             self._recovery.update(restarted_at=now, stage_s=stage_s, tier=choice.tier, world_size=group.world_size)
         elif choice.step is not None:   # a resumed run: log how its restore went
@@ -211,6 +213,10 @@ class Controller:
             kind = r.get("type")
             fields = {k: v for k, v in r.items() if k not in ("type", "t", "rank")}
             if kind == "step":
+                if not self._refilled:
+                    # the group runs: now replace the spares it took (not while it restores)
+                    self._refilled = True
+                    getattr(self.backend, "refill_spares", lambda: None)()
                 if self._recovery is not None and "restarted_at" in self._recovery:
                     # the loop never called ckpt.restore(): it resumed from its own state
                     self._on_restored({"step": self._attempt_base, "restore_s": None, "t": r["t"]})
@@ -326,9 +332,13 @@ class Controller:
         # "detected" is when the poll saw the errors; classifying (probing the nodes) is recovery work
         self.events.emit("detected", t=detected, kind=kind, ranks_failed=len(status.errors),
                          classify_s=round(self.clock() - detected, 6))
-        self._dead_pids = group.pids()
         self._end_attempt(st)
-        group.shutdown()
+        retire = getattr(self.backend, "retire_group", None)
+        if retire is not None:   # survivors become the next group's spares, in process
+            retire(group)
+        else:
+            group.shutdown()
+        self._dead_pids = group.pids()
         return self._tolerate(failure, st)
 
     def _tolerate(self, failure: Failure, st) -> ControllerState:

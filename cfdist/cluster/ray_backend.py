@@ -54,6 +54,7 @@ class RayBackend:
         self._warming: dict[str, tuple] = {}   # node id -> (actor, ready ref): spares, started ahead
         self._spares: dict[str, list[tuple]] = {}   # node id -> [(rank actor, warm ref)]: warm spare ranks
         self._spare_pids: dict[object, int] = {}
+        self._recycled: set[int] = set()   # id() of spares that are a failed group's survivors
         self._fn_ref = None
         self._notices: list[dict] = []
         self.group: RayWorkerGroup | None = None
@@ -173,10 +174,21 @@ class RayBackend:
                 pool.append((actor, actor.warm.remote(self._fn_ref)))
 
     def _take_spares(self, nodes: list[NodeInfo]) -> dict[str, list]:
-        """The warm spares of ``nodes`` (removed from the pool), waiting for the ones still
-        warming up (a process half-way through its imports beats a new one); a spare that died
-        or does not get ready within the rendezvous timeout is replaced by a fresh rank."""
-        pools = {n.node_id: self._spares.pop(n.node_id, []) for n in nodes}
+        """Up to ``workers_per_node`` warm spares of each of ``nodes`` (removed from the pool),
+        ready ones first (recycled survivors, spares done warming up); waits only for the ones
+        still warming up that it needs (a process half-way through its imports beats a new
+        one). A spare that died or does not get ready within the rendezvous timeout is replaced
+        by a fresh rank."""
+        w = self.config.workers_per_node
+        pools = {}
+        for n in nodes:
+            pool = self._spares.pop(n.node_id, [])
+            if pool:
+                done, _ = ray.wait([ref for _, ref in pool], num_returns=len(pool), timeout=0)
+                pool.sort(key=lambda x: x[1] not in done)   # stable: ready ones first
+            pools[n.node_id] = pool[:w]
+            if pool[w:]:
+                self._spares[n.node_id] = pool[w:]
         refs = [ref for pool in pools.values() for _, ref in pool]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=self.config.rendezvous_timeout_s)
@@ -190,6 +202,22 @@ class RayBackend:
                     log.warning("a warm spare on node %s is not usable (%s); starting a fresh rank", nid[:8], e)
                     self._kill_spare(actor)
         return out
+
+    def retire_group(self, group: RayWorkerGroup) -> None:
+        """After a failure: stop ``group``; its ranks that survived (their process lives, on a
+        node not lost) become warm spares of their node, ahead of the pool (no process start
+        for them at the restart); the others are killed."""
+        if not self.config.warm_spares or self.config.use_gpu:
+            group.shutdown()
+            return
+        kept = group.recycle()
+        for nid, pool in kept.items():
+            if nid in self.dead or nid in self.excluded:
+                for actor, _ in pool:
+                    self._kill_spare(actor)
+                continue
+            self._spares[nid] = pool + self._spares.get(nid, [])
+            self._recycled.update(id(actor) for actor, _ in pool)
 
     def _kill_spare(self, actor) -> None:
         from cfdist.cluster.quiet import expect_death
@@ -277,9 +305,12 @@ class RayBackend:
         t_wait = time.perf_counter()
         spares = self._take_spares(nodes)
         spare_wait_s = time.perf_counter() - t_wait
+        recycled = sum(id(a) in self._recycled for pool in spares.values() for a in pool)
+        self._recycled.clear()   # spares left in the pool are plain spares from now on
         group = RayWorkerGroup(config=self.config, nodes=nodes, node_actors=[self.actors[n.node_id] for n in nodes],
                                tiers=[self.tiers[n.node_id] for n in nodes], attempt=attempt,
                                train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares)
+        group.recycled = recycled
         try:
             self.last_restart_s = group.start()
         except Exception:
@@ -287,10 +318,16 @@ class RayBackend:
             raise
         group.phases["spare_wait"] = spare_wait_s   # spares still warming up (a failure soon after the last)
         self.group = group
-        chosen = {n.node_id for n in nodes}
-        self._refill_spares(nodes)
-        self.warm_spare_nodes()
         return group
+
+    def refill_spares(self) -> None:
+        """Start replacement warm spares for the running group's nodes and the spare nodes
+        (non-blocking). The controller calls it once the group completed its first step: new
+        processes importing torch compete for the CPUs with the restore and the first step,
+        so they start only after the recovery (measured: setup 0.4 s with them, 0.05 s without)."""
+        if self.group is not None:
+            self._refill_spares(self.group.nodes)
+        self.warm_spare_nodes()
 
     def drain_commits(self) -> list[dict]:
         out = []

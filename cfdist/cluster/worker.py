@@ -148,6 +148,25 @@ class RankWorker:
             dist.destroy_process_group()
         return out
 
+    def recycle(self) -> int:
+        """Make a rank whose attempt failed (its ``run`` raised: a peer died) a warm spare again,
+        in this process: drop the attempt's checkpointer (no wait for its persist), destroy the
+        broken process group and forget the role and the rendezvous store. The next attempt
+        gives it a role with :meth:`endpoint` and a fresh store and group with :meth:`join`, as
+        for any spare (the group is re-formed in process, as NVIDIA's in-process restart does).
+        Raises ``RuntimeError`` while ``run`` is still training (the driver then kills it).
+        Returns the pid."""
+        if self._training:
+            raise RuntimeError(f"rank {getattr(self.info, 'rank', '?')} is still training; it cannot be reused")
+        ctx, self.ctx = self.ctx, None
+        for ck in (ctx._ckpts if ctx is not None else []):
+            ck.abandon()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+        self.info = None
+        return os.getpid()
+
     def drain(self) -> list[dict]:
         """Step, metrics and restore records since the last call (empty before ``run``)."""
         return self.ctx._drain() if self.ctx is not None else []

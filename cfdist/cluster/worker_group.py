@@ -50,6 +50,8 @@ class RayWorkerGroup:
         """``{node_id: [warm spare actors]}`` to take ranks from before creating new ones."""
         self.reused = 0
         """Ranks of this group that are warm spares (no process started for them)."""
+        self.recycled = 0
+        """Of those, ranks of the failed previous group re-formed in process (set by the backend)."""
         self.phases: dict[str, float] = {}
         """Seconds of each start phase: ``spawn`` (actors created / spares taken, endpoints
         answered) and ``rendezvous`` (``torch.distributed`` initialised on every rank)."""
@@ -178,12 +180,37 @@ class RayWorkerGroup:
         except (ray.exceptions.RayError, TimeoutError):
             pass   # RayActorError: it died, as asked
 
-    def shutdown(self) -> None:
-        """Kill every rank's process (no restart). Safe to call twice."""
+    def recycle(self, timeout_s: float = 2.0) -> dict[str, list[tuple]]:
+        """After a failure: the ranks whose ``run`` raised (their process lives, a peer died)
+        drop the attempt in process (:meth:`RankWorker.recycle`); returns ``{node_id: [(actor,
+        pid ref)]}`` of those that did within ``timeout_s``, and kills every other rank. The
+        returned actors are warm spares of the next attempt (no process start, torch loaded)."""
+        died = {e.rank for e in self._errors if e.actor_died}
+        raised = [r for r in range(len(self.workers)) if r not in died and any(e.rank == r for e in self._errors)]
+        refs = {r: self.workers[r].recycle.remote() for r in raised}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        kept: dict[str, list[tuple]] = {}
+        for r, ref in refs.items():
+            if ref not in ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                log.info("rank %d cannot be reused (%s); its process is killed", r, _short(e))
+                continue
+            kept.setdefault(self._node_of(r), []).append((self.workers[r], ref))
+        self.shutdown(keep={id(a) for pool in kept.values() for a, _ in pool})
+        return kept
+
+    def shutdown(self, keep=frozenset()) -> None:
+        """Kill every rank's process (no restart) but those whose actor's ``id()`` is in
+        ``keep`` (recycled as spares). Safe to call twice."""
         from cfdist.cluster.quiet import expect_death
 
-        expect_death(*self.pids())
+        expect_death(*[p for wk, p in zip(self.workers, self.pids()) if id(wk) not in keep])
         for wk in self.workers:
+            if id(wk) in keep:
+                continue
             try:
                 ray.kill(wk, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead

@@ -353,6 +353,27 @@ class Storage:
         except _backend_errors() as e:
             raise self._error("reading", rel, e) from e
 
+    def read_mapped(self, rel: str) -> memoryview:
+        """The whole of file ``rel`` as a writable buffer: on a local filesystem a private
+        copy-on-write memory map (no copy: a tmpfs file such as the memory tier's is read
+        straight from its pages; keep the file unmodified while the buffer is in use, as a
+        committed checkpoint is), elsewhere :meth:`read_bytes` in a ``bytearray``. Errors as
+        :meth:`read_bytes`."""
+        if not self.is_local:
+            return memoryview(bytearray(self.read_bytes(rel)))
+        import mmap
+
+        try:
+            with open(self.path(rel), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    return memoryview(bytearray())
+                return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
+        except FileNotFoundError:
+            raise
+        except _backend_errors() as e:
+            raise self._error("reading", rel, e) from e
+
     def open_read(self, rel: str):
         """A binary, seekable file object for ``rel``; close it (use ``with``)."""
         path = self.path(rel) if self.is_local else self._remote(rel)

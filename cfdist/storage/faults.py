@@ -95,6 +95,9 @@ class StorageWrapper(Storage):
         self._before("read_bytes", rel)
         return self.inner.read_bytes(rel, start, end)
 
+    def read_mapped(self, rel: str) -> memoryview:
+        return memoryview(bytearray(self.read_bytes(rel)))   # through read_bytes: wrappers apply
+
     def open_read(self, rel: str):
         self._before("open_read", rel)
         return self.inner.open_read(rel)

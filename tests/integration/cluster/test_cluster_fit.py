@@ -84,8 +84,18 @@ def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp
     assert result.failures == 1
     (f,) = result.failure_stats
     assert f.kind == "crash" and f.tier in ("memory", "peer")
-    (choice,) = [r for r in _records(tmp_path / "crash.jsonl") if r.get("what") == "restore" and r["step"]]
+    recs = _records(tmp_path / "crash.jsonl")
+    (choice,) = [r for r in recs if r.get("what") == "restore" and r["step"]]
     assert {src for src, _ in choice["sources"].values()} <= {"memory", "peer"}
+    # the recovery's phases are in the log, in order; the new group is made of warm spares, the
+    # surviving rank 0 among them, re-formed in its own process (no process start)
+    fail_i = next(i for i, r in enumerate(recs) if r["event"] == "failure")
+    order = [next(i for i, r in enumerate(recs) if i > fail_i and r["event"] == ev)
+             for ev in ("detected", "restarted", "restored", "resumed")]
+    assert order == sorted(order), [recs[i]["event"] for i in order]
+    restarted = recs[order[1]]
+    assert restarted["reused"] == 2 and restarted["recycled"] == 1, restarted
+    assert {"spawn_s", "rendezvous_s", "spare_wait_s"} <= restarted.keys()
     assert 0 < f.restored_step <= f.step and f.restored_step % EVERY == 0
     assert result.world_sizes == (2, 2)
     assert result.final_step == STEPS and result.steps >= STEPS

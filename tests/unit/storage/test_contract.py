@@ -42,6 +42,20 @@ def test_write_file_returns_count_and_reads_back_ranges(st):
         st.read_bytes("a.bin", -1)
 
 
+def test_read_mapped_is_the_file_and_writes_to_it_stay_private(st):
+    """``read_mapped`` (restore's read: a memory map on local files, no copy) returns the whole
+    file as a writable buffer; writing into it never changes the file (copy-on-write)."""
+    st.write_file("m.bin", [b"0123456789"])
+    buf = st.read_mapped("m.bin")
+    assert bytes(buf) == b"0123456789" and not buf.readonly
+    buf[0:3] = b"abc"
+    assert st.read_bytes("m.bin") == b"0123456789"
+    st.write_file("empty.bin", [])
+    assert bytes(st.read_mapped("empty.bin")) == b""
+    with pytest.raises(FileNotFoundError):
+        st.read_mapped("missing.bin")
+
+
 def test_write_file_creates_parents_and_truncates_on_rewrite(st):
     st.write_file("x/y/z.bin", [b"0123456789"])
     st.write_file("x/y/z.bin", [b"abc"])
