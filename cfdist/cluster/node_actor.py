@@ -338,7 +338,7 @@ class NodeCheckpointer:
             return None
         m0 = got[0]
         if m0.get("codecs") or m0.get("split"):
-            raise _Unsliceable(f"its copy is encoded by codecs or already sliced")
+            raise _Unsliceable("its copy is encoded by codecs or already sliced")
         if transfer.holds_same(self.shared, step, m0):
             return None
         timeout = self.config.shared_slice_timeout_s
@@ -357,7 +357,7 @@ class NodeCheckpointer:
         mine = {k: t.get("xxh3") for k, t in m0["tensors"].items()}
         helpers = [p for p, s in zip(peers, theirs) if s is not None]
         if not helpers:
-            raise _Unsliceable(f"no peer holds it")
+            raise _Unsliceable("no peer holds it")
         writers = 1 + len(helpers)
         # what is not identical on every node (module buffers) is node 0's, written by node 0
         pinned = {k for k, v in mine.items() if v is None or any(s is not None and s.get(k) != v for s in theirs)}
