@@ -317,11 +317,11 @@ def test_rerun_after_the_driver_was_killed_continues_from_the_newest_commit(fake
 
 # ---- the shared tier uploaded in slices by every node's actor ----------------------------------------
 
-def _loaded(url, step):
+def _loaded(url, step, **opts):
     from cfdist.checkpoint.discovery import load_verified
     from cfdist.storage import open_storages
 
-    return load_verified(open_storages(url), step)
+    return load_verified(open_storages(url, **opts), step)
 
 
 def test_shared_upload_is_sliced_between_the_node_actors(fake_cluster, tmp_path):
@@ -364,7 +364,9 @@ def _wait_event(actor, event, step, timeout_s=60.0):
     return got
 
 
-def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_whole(fake_cluster, tmp_path):
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_whole(fake_cluster, tmp_path, where,
+                                                                                   request):
     """Two NodeCheckpointer actors (Ray actors on the fake cluster's nodes) whose node-local
     tiers hold the same steps written by a real Checkpointer; node B's copy has other
     BatchNorm statistics (as a replica's would), so node 0 (A) writes those itself.
@@ -375,7 +377,11 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
        uploads the step whole when flushed;
     3. B's actor SIGKILLed mid-upload (new attempt, B named as peer again; its writes slowed
        so the kill lands while its shard file is being written): not committed, the previous
-       step stays, then uploaded whole."""
+       step stays, then uploaded whole (local shared tier only: an S3 upload shows no partial
+       object to time the kill on).
+
+    The shared tier is a local directory, or a bucket on the local S3 server (moto), where the
+    slices sit under the step's final prefix until the manifest commits them."""
     from cfdist.cluster.config import FitConfig
     from cfdist.cluster.node_actor import NodeCheckpointer
 
@@ -395,15 +401,26 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
 
     for i in range(3):
         step(i)
-    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", shared_storage=f"file://{tmp_path}/shared",
+    if where == "s3":
+        pytest.importorskip("s3fs")
+        base, opts = request.getfixturevalue("s3_url"), request.getfixturevalue("s3_storage_options")
+    else:
+        base, opts = f"file://{tmp_path}/shared", {}
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", shared_storage=base, storage_options=opts,
                     run_name="r", memory_tier=False, shared_every=1, keep=5, shared_slice_timeout_s=60)
     remote = ray.remote(NodeCheckpointer)
     a, b = (remote.options(num_cpus=0).remote(config=cfg, run_id="sl", node_id=n * 16, node_name=n) for n in "AB")
     ray.get([a.begin_attempt.remote(1, shared_writer=True, peers=[b]), b.begin_attempt.remote(1, shared_writer=False)])
-    shared = f"file://{tmp_path}/shared/r"
+    shared = f"{base}/r"
+    from cfdist.checkpoint.discovery import is_committed
+    from cfdist.storage import open_storages
+
+    def committed(step):
+        return is_committed(open_storages(shared, **opts)[0], step)
+
     try:
         assert ray.get(a.flush_shared.remote(2)) == 2
-        sm, st = _loaded(shared, 2)
+        sm, st = _loaded(shared, 2, **opts)
         am, at = _loaded(f"file://{tmp_path}/A/r", 2)
         assert {sh["writer"] for sh in sm["shards"]} == {0, 1} and sm["split"], "both nodes write, a tensor is cut"
         assert at.keys() == st.keys() and all(torch.equal(at[k], st[k]) for k in at)
@@ -418,17 +435,18 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
         ray.get(b.__ray_call__.remote(break_shared))
         ray.get(a.__ray_call__.remote(lambda self: self._want_shared(3)))
         _wait_event(a, "shared_slices_failed", 3)
-        from cfdist.checkpoint.discovery import is_committed
-        from cfdist.storage import open_storages
-        assert not is_committed(open_storages(shared)[0], 3)
-        assert not glob.glob(str(tmp_path / "shared" / "r" / "step-000000003*")), "its slices are removed"
-        prev = _loaded(shared, 2)[1]
+        assert not committed(3)
+        assert not [n for n in open_storages(shared, **opts)[0].listdir("") if n.startswith("step-000000003")], \
+            "its slices are removed"
+        prev = _loaded(shared, 2, **opts)[1]
         assert all(torch.equal(at[k], prev[k]) for k in at), "the previous one stays"
         assert ray.get(a.flush_shared.remote(3)) == 3   # whole, by A alone
-        sm3, st3 = _loaded(shared, 3)
+        sm3, st3 = _loaded(shared, 3, **opts)
         rm, = [k for k in st3 if k.endswith("running_mean")]
         assert "slicing" not in sm3 and torch.equal(st3[rm], m[1].running_mean)
 
+        if where == "s3":
+            return
         step(3)   # B's actor killed mid-upload: its storage slowed, killed once its shard file appears
         ray.get(a.begin_attempt.remote(2, shared_writer=True, peers=[b]))
 
@@ -441,9 +459,9 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
         wait_for(lambda: glob.glob(str(tmp_path / "shared" / "r" / "step-000000004.tmp-*" / "shard-00001-*")))
         ray.kill(b)
         _wait_event(a, "shared_slices_failed", 4)
-        assert not is_committed(open_storages(shared)[0], 4) and is_committed(open_storages(shared)[0], 3)
-        assert ray.get(a.flush_shared.remote(4)) == 4 and "slicing" not in _loaded(shared, 4)[0]
-        st4 = _loaded(shared, 4)[1]
+        assert not committed(4) and committed(3)
+        assert ray.get(a.flush_shared.remote(4)) == 4 and "slicing" not in _loaded(shared, 4, **opts)[0]
+        st4 = _loaded(shared, 4, **opts)[1]
         assert all(torch.equal(st4[k], v) for k, v in _loaded(f"file://{tmp_path}/A/r", 4)[1].items())
     finally:
         for ck in cks:
