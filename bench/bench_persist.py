@@ -30,6 +30,11 @@ with every rank writing a slice (``writers="all"``), alternating round by round,
 outside (rank 0's snapshot to the manifest visible on storage:
 ``bench/bench_parallel_persist.py``'s measurement). On one disk the writers share its bandwidth.
 
+``--double-buffer MB`` adds a training loop at k = 1 (every step a checkpoint): an MLP of that
+many MB with Adam, one process, ``buffers=1`` and ``buffers=2`` alternating round by round; per
+run the loop's step time measured around each iteration, the persists the gate waited for
+(``stats["persist_waits"]``) and their seconds, and the mean persist time (does persist keep up?).
+
 Output: ``<out>/persist.json`` and ``<out>/persist.md`` (machine, filesystem, tables, ratios).
 """
 
@@ -143,6 +148,42 @@ def writers_axis(a, base: str) -> dict:
     return out
 
 
+def double_buffer(a, base: str, steps: int = 20, warmup: int = 3) -> dict:
+    """k = 1 on an MLP with ``buffers`` 1 and 2: step time from the outside, the gate's waits."""
+    import cfdist
+
+    width = int((a.double_buffer * MB / 3 / 4 / 4) ** 0.5)   # 4 width^2 layers, params + 2 Adam moments
+    out: dict = {"mb": a.double_buffer, "width": width, "batch": a.db_batch, "runs": {"1": [], "2": []}}
+    for r in range(a.rounds):
+        for b in ((1, 2) if r % 2 == 0 else (2, 1)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(4)])
+            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+            d = tempfile.mkdtemp(prefix="dbuf-", dir=base)
+            ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, f"file://{d}", cfdist.Every(1),
+                                       buffers=b, keep=2)
+            x = torch.randn(a.db_batch, width)
+            times = []
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                model(x).square().mean().backward()
+                ckpt.step(opt)
+                opt.zero_grad()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            st0 = ckpt.stats
+            ckpt.close()
+            st = ckpt.stats
+            out["runs"][str(b)].append({"step_s": statistics.median(times), "steps": steps,
+                                        "persist_waits": st0["persist_waits"], "persist_wait_s": st0["persist_wait_s"],
+                                        "mean_persist_s": st["mean_persist_s"], "checkpoints": st["checkpoints"],
+                                        "arena_bytes": st0["arena_bytes"]})
+            shutil.rmtree(d, ignore_errors=True)
+            print(f"  double buffer round {r + 1}/{a.rounds}: buffers={b} step {out['runs'][str(b)][-1]['step_s']:.3f} s, "
+                  f"waits {st0['persist_waits']}, persist {st['mean_persist_s']:.3f} s", flush=True)
+    return out
+
+
 def run(a) -> dict:
     torch.set_num_threads(1)
     base = os.path.abspath(a.dir or tempfile.gettempdir())
@@ -185,6 +226,8 @@ def run(a) -> dict:
     res["store_add_s"] = store_round_trip()
     if a.writers != [1]:
         res["writers"] = writers_axis(a, base)
+    if a.double_buffer:
+        res["double_buffer"] = double_buffer(a, base)
     big = res["sizes"][str(max(a.sizes))]
     best = max((k for k in big if k.startswith("persist") and "roots=1 " in k),
                key=lambda k: big["bytes"] / statistics.median(x["s"] for x in big[k]))
@@ -249,6 +292,20 @@ def markdown(res: dict) -> str:
             ratio = f"{statistics.median(one_) / statistics.median(all_):.2f}x" if all_ else ""
             out.append(f"| {n} | {cell(one_)} | {cell(all_)} | {ratio} |")
         out.append("")
+    if res.get("double_buffer"):
+        db = res["double_buffer"]
+        out += [f"## Double buffering at k = 1 ({db['mb']:g} MB MLP + Adam, batch {db.get('batch')}, one process)", "",
+                "Every step is a checkpoint. Step time measured around each iteration (forward, backward, "
+                "`ckpt.step`), median per run; `waits` = snapshots that had to wait for a persist to free a "
+                "buffer set (`stats['persist_waits']`), over the timed steps and the warm-up.", "",
+                "| buffers | step s (median of runs) | waits per run | wait s per run | mean persist s | host arena MB |",
+                "|---:|---:|---:|---:|---:|---:|"]
+        for b, runs in db["runs"].items():
+            if runs:
+                med = lambda k: statistics.median(r[k] for r in runs)   # noqa: E731
+                out.append(f"| {b} | {med('step_s'):.3f} | {', '.join(str(r['persist_waits']) for r in runs)} | "
+                           f"{med('persist_wait_s'):.2f} | {med('mean_persist_s'):.3f} | {runs[0]['arena_bytes'] / MB:.0f} |")
+        out.append("")
     st = res["store_add_s"]
     sim = res["simulation"]
     out += [f"c10d Store round trip (TCPStore on loopback, `add`): median {st['median'] * 1e6:.0f} us "
@@ -281,6 +338,10 @@ def main(argv=None) -> int:
     p.add_argument("--writers", type=ints, default=[1],
                    help="ranks for the writers axis, e.g. 1,2,4 (default 1: no writers axis)")
     p.add_argument("--writers-mb", type=float, default=200.0, help="state size of the writers axis (MB)")
+    p.add_argument("--double-buffer", type=float, default=0.0, metavar="MB",
+                   help="also a k=1 training loop of an MLP of this many MB, buffers 1 vs 2 (0: off)")
+    p.add_argument("--db-batch", type=int, default=2048,
+                   help="batch of the double-buffer loop (sets its compute time against the persist)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the files are written (default: the temp dir)")
     p.add_argument("--out", default=os.path.join("cfdist-runs", "persist"))
