@@ -363,11 +363,22 @@ def growth_tables(a: dict) -> list[str]:
 
 
 def recovery_table(rec: dict) -> list[str]:
-    L = ["## Recovery per tier (bench/bench_recovery.py)", "", "| tier | restored from | lost iterations | detect s | "
-         "restart s | restore s | total s |", "|---|---|---:|---:|---:|---:|---:|"]
+    """``bench/bench_recovery.py``'s JSON: medians of each phase over the failures of each tier."""
+    L = ["## Recovery per tier (bench/bench_recovery.py)", "",
+         "Failure to the first completed step after it, split by the event log; medians over the failures "
+         "of each tier.", "",
+         "| tier | failures | restored from | lost iterations, median (max) | detect s | restart s | restore s | "
+         "first step s | total s, median [q1-q3] |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for tier, r in rec.get("recovery", {}).items():
-        L.append(f"| {tier} | {r['restored_from']} | {r['lost_iters']} | {r['detect_s']:.2f} | "
-                 f"{r['wait_s'] + r['restart_s']:.2f} | {r['restore_s']:.2f} | {r['total_s']:.2f} |")
+        m, lost = r["median"], sorted(r["lost_iters"])
+        q = r.get("total_quartiles") or [m["total"], m["total"]]
+        L.append(f"| {tier} | {r['n']} | {', '.join(sorted(set(r['restored_from'])))} | "
+                 f"{lost[len(lost) // 2]} ({lost[-1]}) | {m['detect']:.3f} | {m['restart']:.3f} | {m['restore']:.3f} | "
+                 f"{m['first_step']:.3f} | {m['total']:.3f} [{q[0]:.3f}-{q[1]:.3f}] |")
+    if rec.get("load_avg") is not None:
+        la = lambda v: v[0] if isinstance(v, (list, tuple)) else v   # noqa: E731 - 1-min load (older files: a triple)
+        L += ["", f"Load average at its start {la(rec['load_avg']):.1f}"
+                  + (f", at its end {la(rec['load_avg_end']):.1f}" if rec.get("load_avg_end") is not None else "") + "."]
     return L + [""]
 
 

@@ -206,3 +206,16 @@ def test_stall_target_is_not_met_when_workloads_were_skipped():
     row = next(r for r in a["targets"] if r["target"] == report.TARGETS["stall"])
     assert row["met"] is None and "not run: cnn" in row["measured"]
     assert "**Not run**" in report.markdown(res, a)
+
+
+def test_recovery_table_reads_bench_recovery_json():
+    """The report's recovery section from bench_recovery.py's JSON: medians, lost work, quartiles."""
+    from cfdist.benchmarks.report import recovery_table
+
+    med = {"detect": 0.04, "restart": 0.03, "restore": 0.025, "first_step": 0.007, "total": 0.106}
+    rec = {"load_avg": 1.4, "load_avg_end": 3.2,
+           "recovery": {"memory": {"n": 3, "restored_from": ["memory"] * 3, "lost_iters": [2, 10, 3],
+                                   "median": med, "total_quartiles": [0.097, 0.13]}}}
+    text = "\n".join(recovery_table(rec))
+    assert "| memory | 3 | memory | 3 (10) | 0.040 | 0.030 | 0.025 | 0.007 | 0.106 [0.097-0.130] |" in text
+    assert "Load average at its start 1.4, at its end 3.2." in text
