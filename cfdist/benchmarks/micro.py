@@ -137,7 +137,7 @@ def disk_and_phases(root: str, *, workload: str = "mlp", state_mb: float = 200, 
             r["commit_s"] = info["i"].seconds   # write + checksum + fsync + commit, without retention
             out["persist"].append(r)
             log(f"  micro round {i + 1}/{rounds}: raw {nbytes / out['raw'][-1]['s'] / 1e6:.0f} MB/s, "
-                f"cfdist persist {nbytes / r['commit_s'] / 1e6:.0f} MB/s, memcpy {out['memcpy'][-1]['s']:.3f}s, "
+                f"cfdist persist {nbytes / r['s'] / 1e6:.0f} MB/s, memcpy {out['memcpy'][-1]['s']:.3f}s, "
                 f"snapshot {out['snapshot'][-1]['s']:.3f}s")
         buf.close()
     finally:

@@ -93,7 +93,7 @@ def test_analysis_ratios_against_the_same_runs_baselines():
     assert cf["cpu_ratio"] == pytest.approx(0.5 / 0.15)                  # memcpy 0.05 + raw 0.1 CPU s
     assert cf["overhead"]["median"] == pytest.approx(10.65 / 10.5 - 1)
     assert b["methods"]["none"]["stall_s"]["median"] == 0.0              # the noise floor of a flat run
-    assert a["micro"]["persist_vs_raw"]["median"] == pytest.approx(0.5 / 0.52)
+    assert a["micro"]["persist_vs_raw"]["median"] == pytest.approx(0.5 / 0.55)   # timed around the call, not commit_s
     assert a["restore"]["cfdist_vs_dcp_load"] == pytest.approx(0.5)
     met = {r["target"]: r["met"] for r in a["targets"]}
     assert met[report.TARGETS["stall"]] is True and met[report.TARGETS["overhead"]] is True
