@@ -346,12 +346,14 @@ class Checkpointer:
         device = "cuda" if any(isinstance(o, torch.nn.Module) and any(p.is_cuda for p in o.parameters())
                                for o in self.state.values()) else "cpu"
         hist = self._read_json(HISTORY) or {}
+        self._bound_at = time.time()
         ctx = pb.PolicyContext(
             rank=self.rank, world_size=self.world_size, state_bytes=nbytes, device=device,
             batch_size=getattr(loader, "batch_size", None),
             iters_per_epoch=len(loader) if loader is not None and hasattr(loader, "__len__") else None,
             cached_profile=None, failure_times_s=[r["time"] for r in hist.get("restarts", [])],
-            now_s=time.time(), state_signature=signature, buffers=self.config.buffers,
+            now_s=self._bound_at, started_s=hist.get("started"), state_signature=signature,
+            buffers=self.config.buffers,
         )
         self._profile_name = f"profile-{pb.profile_key(ctx)}.json"
         cached = self._read_json(self._profile_name)
@@ -767,6 +769,9 @@ class Checkpointer:
         self._stats["bytes_written"] += info.bytes
         self._stats["bytes_logical"] += info.bytes_logical if info.bytes_logical is not None else info.bytes
         self._persist_done = (info.seconds, info.bytes)
+        if not getattr(self, "_start_recorded", False):
+            self._start_recorded = True
+            self._record_start()
         self._save_profile()
 
     # ---- restore -------------------------------------------------------------------------------
@@ -863,6 +868,17 @@ class Checkpointer:
         for other in cands:
             if other.tier == 0 and other.rejected is None and other.step > c.step:
                 self._rolled_back.setdefault(other.step, why)
+
+    def _record_start(self) -> None:
+        """At the first commit of a run without history: when it started (the policy's MTBF
+        estimate then counts the time before the first failure too)."""
+        if not self._commits or self._read_json(HISTORY) is not None:
+            return
+        hist = {"started": getattr(self, "_bound_at", time.time()), "restarts": []}
+        try:
+            self.storages[0].write_atomic(HISTORY, json.dumps(hist).encode())
+        except OSError as e:
+            log.warning("could not record the run's start in %s: %s", self.storages[0].url, e)
 
     def _record_restart(self, step: int) -> None:
         if not self._commits:

@@ -10,8 +10,11 @@ Phases, per process:
    clean iterations, one GPU snapshot (when there is a GPU), one CPU snapshot, their persists;
    skipped when the storage holds a profile cached under the same :func:`profile_key`;
 2. **decide** ``k`` and the snapshot mode (:func:`cfdist.policy.freq.decide`): CheckFreq's bounds,
-   and Young/Daly's optimum when the MTBF is known (given, or estimated from this run's restarts);
-3. **tune** ``k`` from the measured overhead (:class:`cfdist.policy.tuner.Tuner`).
+   or, when the MTBF is known (given, or estimated from this run's start and restarts),
+   Young/Daly's optimum above the persist bound; a cached profile brings the cost per
+   checkpoint tuning measured in the earlier attempt (``To_meas``), which replaces profiling's;
+3. **tune** ``k`` from the measured overhead (:class:`cfdist.policy.tuner.Tuner`); with an
+   MTBF, toward Young/Daly's optimum with the measured cost per checkpoint.
 
 Agreement across ranks. Only rank 0's measurements decide ``k``: :meth:`Auto.proposal` is
 rank 0's current choice, and the checkpointer hands every rank the agreed value with
@@ -108,6 +111,7 @@ class Auto:
         self._why: dict[int, tuple[str, dict]] = {}   # rank 0: why each proposed k
         self._changes: list[dict] = []
         self._to_save: dict | None = None
+        self._saved_to: float | None = None   # the measured cost per checkpoint last cached
         self._gpu_before_snapshot: tuple | None = None   # (M, Mmax) read before profiling's GPU snapshot
         self.mtbf_s, self.mtbf_source = self.config.mtbf_s, ("given" if self.config.mtbf_s else None)
 
@@ -121,7 +125,7 @@ class Auto:
             raise RuntimeError("Auto.bind() must come before the first step; build a new Auto per Checkpointer")
         self.ctx = ctx
         if self.mtbf_s is None:
-            est = freq.estimate_mtbf(ctx.failure_times_s, now_s=ctx.now_s)
+            est = freq.estimate_mtbf(ctx.failure_times_s, now_s=ctx.now_s, started_s=ctx.started_s)
             if est is not None:
                 self.mtbf_s, self.mtbf_source = est, "history"
         if ctx.cached_profile is not None:
@@ -160,8 +164,15 @@ class Auto:
                 self._propose(ch.k_new, ch.reason, ch.inputs)
 
     def profile_to_save(self) -> dict | None:
-        """The profile and decision to cache, once after each change; None otherwise."""
+        """The profile and decision to cache, once after each change of k or of the measured
+        cost per checkpoint (by more than 20%); None otherwise."""
+        t = self._tuner
+        if self._to_save is None and t is not None and t.To_meas is not None and self.k is not None and (
+                self._saved_to is None or abs(t.To_meas - self._saved_to) > 0.2 * max(self._saved_to, 1e-6)):
+            self._to_save = self._cache_dict(self.k)
         out, self._to_save = self._to_save, None
+        if out is not None:
+            out["To_meas"] = self._saved_to = t.To_meas if t is not None else None
         return out
 
     def stats(self) -> dict:
@@ -237,7 +248,10 @@ class Auto:
 
     def _decide(self, from_cache: dict | None) -> None:
         cfg = self.config
-        d = freq.decide(self._profile, p=cfg.max_overhead, mtbf_s=self.mtbf_s,
+        # what tuning measured one checkpoint to cost (whole windows) beats profiling's few steps
+        to_meas = from_cache.get("To_meas") if from_cache is not None else None
+        to_meas = to_meas if isinstance(to_meas, (int, float)) and math.isfinite(to_meas) and to_meas >= 0 else None
+        d = freq.decide(self._profile, p=cfg.max_overhead, mtbf_s=self.mtbf_s, To=to_meas,
                         headroom=cfg.gpu_headroom, k_max=cfg.tuning.k_max, buffers=self.ctx.buffers)
         self._decision, self._local_mode = d, d.mode
         k = d.k
@@ -250,6 +264,7 @@ class Auto:
         if self._proposes:
             self._tuner = Tuner(cfg.tuning, p=cfg.max_overhead, profile=self._profile, k=k, mode=d.mode,
                                 mtbf_s=self.mtbf_s, headroom=cfg.gpu_headroom, buffers=self.ctx.buffers)
+            self._tuner.To_meas = to_meas
             src = "cached profile" if from_cache is not None else "profile"
             reason = d.reason(self._profile, cfg.max_overhead, self.mtbf_s) + f" from {src}"
             if k != d.k:
@@ -264,7 +279,7 @@ class Auto:
     def _cache_dict(self, k: int) -> dict:
         return {"version": CACHE_VERSION, "key": profile_key(self.ctx), "profile": self._profile.to_dict(),
                 "p": self.config.max_overhead, "mtbf_s": self.mtbf_s, "k": k, "mode": self._local_mode,
-                "buffers": self.ctx.buffers}
+                "buffers": self.ctx.buffers, "To_meas": self._tuner.To_meas if self._tuner else None}
 
     def _load_cache(self, d: dict) -> None:
         try:

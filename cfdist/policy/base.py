@@ -132,6 +132,9 @@ class PolicyContext:
     excluding the present start."""
     now_s: float = 0.0
     """Wall-clock time of the present start (``time.time()``)."""
+    started_s: float | None = None
+    """Wall-clock time this run first started (its history's), None when unknown: with it
+    the first restart already estimates the MTBF."""
     state_signature: str | None = None
     """Optional digest of the state's layout (names, dtypes, shapes): tells two models of the
     same size apart in :func:`profile_key`."""

@@ -24,7 +24,10 @@ Decisions, with hysteresis so ``k`` does not oscillate:
   the interval that still hides the persist (``k_persist`` from the latest measured snapshot and
   persist times), nor the MTBF optimum, nor to an interval at which a persist wait was seen
   (unless persists got 20% faster since);
-* the first interval after a change is discarded (it mixes the old and the new ``k``).
+* the first interval after a change is discarded (it mixes the old and the new ``k``);
+* with a known MTBF the budget does not bind (:mod:`cfdist.policy.freq`): every window moves
+  ``k`` to Young/Daly's optimum with the measured ``C0`` (above the persist bound, and at or
+  above an interval that was seen to wait for a persist) when it differs by more than 10%.
 
 ``Ti`` is re-measured from quiet steps (no checkpoint in the step, no stall, no persist in
 flight): the mean of a window's quiet steps replaces it when there are at least 5 (the mean, so
@@ -215,6 +218,28 @@ class Tuner:
         ``target``; above the floor the wait is 0, so it is ``ceil(C0 / (target Ti))``."""
         return max(self.k_floor(), freq._ceil(C0 / (target * self.Ti)), 1)
 
+    def _toward_young(self, k: int, k_fit: int, W: float, overhead: float) -> tuple[int | None, str]:
+        """With a known MTBF: ``k`` follows Young/Daly's optimum with the measured cost per
+        checkpoint (:meth:`k_floor`), not the budget; a persist wait still raises it at once to
+        where the persist fits, and it is never lowered back to an interval where one was seen
+        (unless persists got 20% faster). 10% slack, so noise does not nudge ``k``."""
+        cfg = self.config
+        want = self.k_floor()
+        if W > 0:
+            want = max(want, k_fit)
+        if self._wait_seen is not None:
+            kw, ts = self._wait_seen
+            if self.Ts < 0.8 * ts:
+                self._wait_seen = None
+            else:
+                want = max(want, kw)
+        if abs(want - k) <= 0.1 * k:
+            return None, ""
+        k_new = min(max(want, math.floor(k / cfg.max_factor), 1), math.ceil(k * cfg.max_factor), cfg.k_max)
+        why = (f"Young/Daly's k={want} for MTBF={self.mtbf_s:.4g}s with the measured cost per checkpoint "
+               f"C0={self.To_meas:.3g}s (overhead={overhead * 100:.2f}%)")
+        return (k_new if k_new != k else None), why
+
     def _close_window(self, step: int) -> Change | None:
         cfg = self.config
         if len(self._quiet) >= 5:
@@ -240,7 +265,11 @@ class Tuner:
             inputs["mtbf_s"] = self.mtbf_s
         k = self.k
         target = cfg.lower_target * p
-        if overhead > cfg.raise_above * p:
+        if self.mtbf_s is not None:
+            k_new, why = self._toward_young(k, k_fit, W, overhead)
+            if k_new is None:
+                return None
+        elif overhead > cfg.raise_above * p:
             self._low_streak = []
             self._high_streak.append(C0)
             want = max(k_fit, self.k_floor()) if W > 0 else 0

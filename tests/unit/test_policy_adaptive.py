@@ -357,3 +357,55 @@ def test_epoch_end_checkpoints_and_resets_the_interval():
     assert p.should_checkpoint(1000, epoch_end=True)
     assert not any(p.should_checkpoint(1000 + i) for i in range(1, k))
     assert p.should_checkpoint(1000 + k)
+
+
+# ---- failures every few seconds: Young/Daly with the measured cost, not the budget -----------------
+def test_with_an_mtbf_the_tuner_follows_young_with_the_measured_cost():
+    """Profiling over-measured a checkpoint (k=80); whole windows measure C0 = 0.02 s: with
+    failures every 4 s, k goes to Young's optimum for that cost although its overhead is above
+    the 3.5% budget, one max_factor step at a time."""
+    from cfdist.policy import freq
+
+    prof = Profile(Ti=0.1, Tw=0.01, Tc=0.01, Ts=0.05, m=1000)
+    t = Tuner(TunerConfig(window_steps=50, max_factor=5.0), p=0.035, profile=prof, k=80, mode="cpu", mtbf_s=4.0)
+    changes, s, k = [], 1, 80
+    for _ in range(12):
+        for c in _feed(t, k, 0.02, intervals=1, start=s):
+            changes.append(c)
+        s += k
+        k = t.k
+    want = freq.k_young(Ti=0.1, To=0.02, latency_s=0.06, mtbf_s=4.0, k_lo=1)
+    assert want == 4 and t.k == want
+    assert [c.k_new for c in changes] == [16, want]   # 80 / 5, then the optimum
+    assert "Young/Daly's k=4 for MTBF=4s" in changes[-1].reason and "C0=0.02s" in changes[-1].reason
+    assert 0.02 / (t.k * 0.1) > 0.035   # above the budget: the budget does not bind with an MTBF
+
+
+def test_with_an_mtbf_a_persist_wait_still_raises_k():
+    prof = Profile(Ti=0.1, Tw=0.01, Tc=0.01, Ts=0.5, m=1000)
+    t = Tuner(TunerConfig(window_steps=50), p=0.035, profile=prof, k=10, mode="cpu", mtbf_s=10.0)
+    changes = _feed(t, 10, 1.21, intervals=7, wait=1.2)
+    assert [c.k_new for c in changes] == [22]   # k + ceil(1.2 / 0.1), above Young's optimum
+    assert _feed(t, 22, 0.0, intervals=10, start=1000) == []   # and not lowered back
+
+
+def test_a_restart_brings_the_measured_cost_and_the_run_start_gives_an_mtbf():
+    """The cache carries what tuning measured a checkpoint to cost; at the first restart the
+    run's start (its history) already estimates the MTBF, so k is Young's for that cost."""
+    from cfdist.policy import freq
+
+    a = Auto(profile_steps=20)
+    ctx = dict(state_bytes=1000, world_size=1, batch_size=32)
+    a.bind(PolicyContext(**ctx))
+    simulate([a], 600, To=0.02, Ts=lambda step: 0.05)
+    saved = a.profile_to_save() or {}
+    assert saved.get("To_meas") == pytest.approx(0.02, rel=0.2)
+    b = Auto(profile_steps=20)
+    b.bind(PolicyContext(**ctx, cached_profile=saved, started_s=1000.0, now_s=1004.0))
+    s = b.stats()
+    assert s["mtbf_source"] == "history" and s["mtbf_s"] == pytest.approx(4.0)
+    assert s["decision"]["To"] == pytest.approx(saved["To_meas"])
+    ti, tc, ts = (saved["profile"][x] for x in ("Ti", "Tc", "Ts"))
+    want = freq.k_young(Ti=ti, To=saved["To_meas"], latency_s=tc + ts, mtbf_s=4.0,
+                        k_lo=s["decision"]["k_persist"])
+    assert b.proposal() == want and want < s["decision"]["k_budget"]

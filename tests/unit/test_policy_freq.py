@@ -83,29 +83,39 @@ def test_k_young_is_the_integer_minimum_of_the_waste(Ti, To, latency, mtbf):
         assert abs(k - math.sqrt(2 * To * mtbf) / Ti) <= 1
 
 
-@pytest.mark.parametrize("mtbf, k", [
-    (20000.0, 200),  # Young: sqrt(2 * 1 * 20000) / 1 = 200 > the budget's 20: fewer checkpoints
-    (50.0, 20),      # Young says 10, the budget (p = 5%) forbids it: 20
+@pytest.mark.parametrize("mtbf, Ts, k", [
+    (20000.0, 0.0, 200),  # Young: sqrt(2 * 1 * 20000) / 1 = 200 > the budget's 20: fewer checkpoints
+    (50.0, 0.0, 10),      # Young says 10: below the budget's 20 (p = 5%), failures cost more than
+                          # the extra checkpoints (waste 0.10 + 0.1 + ... < 0.05 + 0.2 + ...)
+    (50.0, 14.0, 14),     # the persist bound still holds: ceil((1 + 14 - 1) / 1) = 14 > Young's 10
 ])
-def test_decide_with_mtbf_respects_the_budget(mtbf, k):
-    prof = Profile(Ti=1.0, Tw=0.0, Tc=5.0, Tg=1.0, Ts=0.0, m=1, M=1, Mmax=100)
+def test_decide_with_mtbf_minimises_the_waste_above_the_persist_bound(mtbf, Ts, k):
+    prof = Profile(Ti=1.0, Tw=0.0, Tc=5.0, Tg=1.0, Ts=Ts, m=1, M=1, Mmax=100)
     d = freq.decide(prof, p=0.05, mtbf_s=mtbf)
     assert d.k == k and d.k_budget == 20 and d.k_young == k
     assert f"MTBF={mtbf:.4g}s" in d.reason(prof, 0.05, mtbf)
+    budget = max(d.k_budget, d.k_persist)
+    latency = 1.0 + Ts
+    assert freq.waste_rate(k=d.k, Ti=1.0, To=1.0, latency_s=latency, mtbf_s=mtbf) <= \
+        freq.waste_rate(k=budget, Ti=1.0, To=1.0, latency_s=latency, mtbf_s=mtbf)
 
 
 def test_lost_work_is_half_an_interval_plus_the_commit_latency():
     assert freq.lost_work_s(k=10, Ti=0.2, latency_s=1.0) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("restarts, now, mtbf", [
-    ([], 1000.0, None),
-    ([100.0], 400.0, 300.0),
-    ([300.0, 100.0, 200.0], 400.0, 100.0),
-    ([500.0], 400.0, None),  # clock went backwards
+@pytest.mark.parametrize("restarts, now, started, mtbf", [
+    ([], 1000.0, None, None),
+    ([100.0], 400.0, None, 300.0),
+    ([300.0, 100.0, 200.0], 400.0, None, 100.0),
+    ([500.0], 400.0, None, None),  # clock went backwards
+    ([], 400.0, 100.0, 300.0),     # the first restart: the run's start counts
+    ([200.0], 400.0, 0.0, 200.0),  # two gaps since the start
+    ([100.0], 400.0, 250.0, 300.0),  # a start after a restart is not this run's: ignored
+    ([], 50.0, 100.0, None),       # clock went backwards
 ])
-def test_estimate_mtbf_table(restarts, now, mtbf):
-    got = freq.estimate_mtbf(restarts, now_s=now)
+def test_estimate_mtbf_table(restarts, now, started, mtbf):
+    got = freq.estimate_mtbf(restarts, now_s=now, started_s=started)
     assert got == (pytest.approx(mtbf) if mtbf is not None else None)
 
 
