@@ -271,7 +271,7 @@ class Checkpointer:
         self._snapped_step: int | None = None  # step of the latest snapshot taken
         self._error: BaseException | None = None
         self._last_return: float | None = None
-        self._persist_done: tuple[float, int] | None = None
+        self._persist_done: tuple[float, int, int] | None = None
         self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0,
                            persist_s=0.0, bytes=0, last_error=None, bytes_logical=0, bytes_written=0,
                            persist_waits=0, persist_wait_s=0.0, io=None)
@@ -443,7 +443,8 @@ class Checkpointer:
         self.policy.observe(StepMeasurement(
             step=self._step, iter_s=iter_s, stall_s=stall, update_s=update_s,
             snapshot_s=snapshot_s, snapshot_device=self._snap.last_device,
-            persist_s=pd[0] if pd else None, persist_bytes=pd[1] if pd else None, checkpointed=took,
+            persist_s=pd[0] if pd else None, persist_bytes=pd[1] if pd else None,
+            persist_step=pd[2] if pd else None, checkpointed=took,
         ))
         self._save_profile()
         return out
@@ -768,7 +769,7 @@ class Checkpointer:
         self._stats["bytes"] = info.bytes
         self._stats["bytes_written"] += info.bytes
         self._stats["bytes_logical"] += info.bytes_logical if info.bytes_logical is not None else info.bytes
-        self._persist_done = (info.seconds, info.bytes)
+        self._persist_done = (info.seconds, info.bytes, info.step)
         if not getattr(self, "_start_recorded", False):
             self._start_recorded = True
             self._record_start()

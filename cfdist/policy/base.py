@@ -53,6 +53,8 @@ class StepMeasurement:
     """Duration of a persist that completed since the previous measurement (Ts)."""
     persist_bytes: int | None = None
     """Bytes written by that persist (m)."""
+    persist_step: int | None = None
+    """Step whose checkpoint that persist committed, when known."""
     checkpointed: bool = False
     """Whether a snapshot was taken at this step."""
 

@@ -5,11 +5,16 @@ A crashed worker then loses at most ``every`` iterations (the node's memory tier
 while disk and shared storage are written only as often as the wrapped policy (``Auto``'s k)
 finds worth its cost. Pure: :meth:`should_checkpoint` is a decision from the step number and the
 wrapped policy's; :meth:`to_disk` answers for a step it decided. Every attribute it does not
-define (``k``, ``mode``, ``bind``, ``observe``, ``sync_payload``, ...) is the wrapped policy's,
-so the Checkpointer and the DDP sync hook see the wrapped policy.
+define (``k``, ``mode``, ``bind``, ``sync_payload``, ...) is the wrapped policy's, so the
+Checkpointer and the DDP sync hook see the wrapped policy; :meth:`observe` hands it only what
+its own (disk) checkpoints cost.
 """
 
 from __future__ import annotations
+
+import dataclasses
+
+from cfdist.policy.base import StepMeasurement
 
 
 class MemoryEvery:
@@ -32,6 +37,17 @@ class MemoryEvery:
             if len(self._disk) > 64:
                 self._disk.discard(min(self._disk))
         return disk or step % self.every == 0
+
+    def observe(self, m: StepMeasurement) -> None:
+        """Hand the wrapped policy what its own checkpoints cost: a memory-only step is an
+        ordinary step to it (no snapshot, no stall of its own: the memory snapshots' cost is
+        part of every iteration, ``Ti``), and only persists of its steps report ``Ts``. Without
+        this, ``Auto`` would find no clean step to profile and never choose its ``k``."""
+        if m.step not in self._disk:
+            m = dataclasses.replace(m, checkpointed=False, stall_s=0.0, snapshot_s=None, snapshot_device=None)
+        if m.persist_s is not None and m.persist_step is not None and m.persist_step not in self._disk:
+            m = dataclasses.replace(m, persist_s=None, persist_bytes=None, persist_step=None)
+        self.policy.observe(m)
 
     def to_disk(self, step: int) -> bool:
         """Whether ``step``'s checkpoint also goes to disk (the wrapped policy chose it)."""

@@ -409,3 +409,24 @@ def test_a_restart_brings_the_measured_cost_and_the_run_start_gives_an_mtbf():
     want = freq.k_young(Ti=ti, To=saved["To_meas"], latency_s=tc + ts, mtbf_s=4.0,
                         k_lo=s["decision"]["k_persist"])
     assert b.proposal() == want and want < s["decision"]["k_budget"]
+
+
+def test_auto_under_memory_every_one_profiles_and_reports_its_disk_k():
+    """``cfdist.fit(memory_every=1)``: a snapshot every step, so no step is free of one; the
+    wrapped Auto still sees clean steps (the memory snapshots are part of Ti) and chooses its
+    disk k, which the wrapper reports (the experiment's analysis reads it)."""
+    from cfdist.policy.memory import MemoryEvery
+
+    auto = Auto(profile_steps=10)
+    p = MemoryEvery(auto, every=1)
+    p.bind(PolicyContext(state_bytes=1000))
+    took, _, _ = simulate([p], 300, Ts=lambda step: 0.05)
+    assert took[0] == list(range(1, 301))            # memory: every step
+    assert auto.k is not None and p.k == auto.k   # disk: Auto's k (before the fix: still profiling)
+    assert auto.stats()["profile"]["Ti"] == pytest.approx(0.1 + 0.02)   # the memory snapshot's 0.02 s included
+    # a persist of a memory-only step does not reach the wrapped policy as Ts
+    seen = []
+    auto.observe = seen.append
+    p.observe(StepMeasurement(step=10_001, iter_s=0.1, checkpointed=True, stall_s=0.01, snapshot_s=0.01,
+                              persist_s=0.001, persist_step=10_000))
+    assert seen[0].checkpointed is False and seen[0].persist_s is None and seen[0].stall_s == 0.0
