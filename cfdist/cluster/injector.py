@@ -12,7 +12,9 @@ of every ``Controller.step``). Time 0 is when the first worker group starts runn
   every node's writer checkpoints at its next step. At the kill the node goes: through
   ``remove_node(node_id)`` when given (a test removes the fake node from its
   ``ray.cluster_utils.Cluster``), else its ranks and its node actor are killed and the node is
-  excluded from scheduling, i.e. drained (its memory tier is gone, its disk stays). A slot that
+  excluded from scheduling, i.e. drained (its memory tier is gone, its disk stays; the warm
+  spare rank processes and the standby checkpoint actor, which hold no state of the run, stay:
+  they stand for the replacement node's processes, started ahead). A slot that
   is already down (preempted, not returned) is not preempted again.
 * ``return`` (node slot n): ``add_node(slot)`` when given (a fresh node joins), else the node
   drained for that slot becomes usable again. Only a slot that a preemption took down returns.

@@ -25,7 +25,9 @@ Rules:
   (checkpoint cost = iteration time, ``p = 5%`` -> every 20 iterations);
 * with a known MTBF, ``k`` minimises the expected waste rate
   ``To / (k Ti) + (k Ti / 2 + L) / MTBF`` (Young: ``k* = sqrt(2 To MTBF) / Ti``) among the ``k``
-  that hide the persist; ``L = Tsnap + Ts`` is the commit latency a failure also loses. The
+  that hide the persist with :data:`QUIET_STEPS` to spare (steps free of checkpoint work, from
+  which the tuner re-measures ``Ti``: without them the cost it measures per checkpoint is
+  against a stale ``Ti``); ``L = Tsnap + Ts`` is the commit latency a failure also loses. The
   budget ``p`` then no longer binds: it stands in for the unknown cost of failures, and once
   that cost is known, a ``k`` below the budget's that loses less work to failures than its
   extra checkpoints cost is the better interval (failures every 10 s, ``To`` = 35 ms,
@@ -37,6 +39,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+
+QUIET_STEPS = 2
+"""Steps free of checkpoint work that an interval chosen for an MTBF keeps beyond the persist bound."""
 
 # ceil() of a ratio computed in floating point: 1 / 0.05 is 19.999999999999996 on some paths.
 _EPS = 1e-9
@@ -213,7 +218,7 @@ def decide(
     k = max(kp, kb)
     ky = None
     if mtbf_s is not None:
-        ky = k_young(Ti=profile.Ti, To=to, latency_s=tsnap + profile.Ts, mtbf_s=mtbf_s, k_lo=kp)
+        ky = k_young(Ti=profile.Ti, To=to, latency_s=tsnap + profile.Ts, mtbf_s=mtbf_s, k_lo=kp + QUIET_STEPS)
         k = ky
     if k_max is not None:
         k = min(k, k_max)

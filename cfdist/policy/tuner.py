@@ -160,7 +160,7 @@ class Tuner:
         if self.mtbf_s is not None:
             to = max(self.To_model, self.To_meas or 0.0)
             kp = freq.k_young(Ti=self.Ti, To=to, latency_s=self.Tsnap + self.Ts,
-                              mtbf_s=self.mtbf_s, k_lo=kp)
+                              mtbf_s=self.mtbf_s, k_lo=kp + freq.QUIET_STEPS)
         return min(kp, self.config.k_max)
 
     def lost_work_s(self) -> float:
@@ -218,11 +218,13 @@ class Tuner:
         ``target``; above the floor the wait is 0, so it is ``ceil(C0 / (target Ti))``."""
         return max(self.k_floor(), freq._ceil(C0 / (target * self.Ti)), 1)
 
-    def _toward_young(self, k: int, k_fit: int, W: float, overhead: float) -> tuple[int | None, str]:
+    def _toward_young(self, k: int, k_fit: int, W: float, overhead: float,
+                      fresh: bool) -> tuple[int | None, str]:
         """With a known MTBF: ``k`` follows Young/Daly's optimum with the measured cost per
         checkpoint (:meth:`k_floor`), not the budget; a persist wait still raises it at once to
         where the persist fits, and it is never lowered back to an interval where one was seen
-        (unless persists got 20% faster). 10% slack, so noise does not nudge ``k``."""
+        (unless persists got 20% faster), nor lowered by a window too busy to re-measure ``Ti``
+        (fewer than 5 quiet steps). 10% slack, so noise does not nudge ``k``."""
         cfg = self.config
         want = self.k_floor()
         if W > 0:
@@ -233,8 +235,8 @@ class Tuner:
                 self._wait_seen = None
             else:
                 want = max(want, kw)
-        if abs(want - k) <= 0.1 * k:
-            return None, ""
+        if abs(want - k) <= 0.1 * k or (want < k and not fresh):
+            return None, ""   # lowered only on a cost measured against a fresh Ti
         k_new = min(max(want, math.floor(k / cfg.max_factor), 1), math.ceil(k * cfg.max_factor), cfg.k_max)
         why = (f"Young/Daly's k={want} for MTBF={self.mtbf_s:.4g}s with the measured cost per checkpoint "
                f"C0={self.To_meas:.3g}s (overhead={overhead * 100:.2f}%)")
@@ -242,7 +244,8 @@ class Tuner:
 
     def _close_window(self, step: int) -> Change | None:
         cfg = self.config
-        if len(self._quiet) >= 5:
+        fresh = len(self._quiet) >= 5
+        if fresh:
             self.Ti = statistics.fmean(self._quiet)
         n, total, c, wait = self._n, self._sum, self._ckpts, self._wait
         self._reset_window()
@@ -256,7 +259,8 @@ class Tuner:
             self._wait_seen = (k_fit, self.Ts)
         # what one checkpoint costs beyond waiting for its predecessor's persist
         C0 = C - W
-        self.To_meas = C0 if self.To_meas is None else cfg.ema * C0 + (1 - cfg.ema) * self.To_meas
+        if fresh or self.To_meas is None:   # against a stale Ti, C0 is off by that Ti's error
+            self.To_meas = C0 if self.To_meas is None else cfg.ema * C0 + (1 - cfg.ema) * self.To_meas
         p = self.p
         inputs = {"overhead": overhead, "p": p, "steps": n, "checkpoints": c, "Ti": self.Ti,
                   "C": C, "W": W, "C0": C0, "Tsnap": self.Tsnap, "Ts": self.Ts, "mode": self.mode,
@@ -266,7 +270,7 @@ class Tuner:
         k = self.k
         target = cfg.lower_target * p
         if self.mtbf_s is not None:
-            k_new, why = self._toward_young(k, k_fit, W, overhead)
+            k_new, why = self._toward_young(k, k_fit, W, overhead, fresh)
             if k_new is None:
                 return None
         elif overhead > cfg.raise_above * p:

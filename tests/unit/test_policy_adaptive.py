@@ -368,14 +368,16 @@ def test_with_an_mtbf_the_tuner_follows_young_with_the_measured_cost():
 
     prof = Profile(Ti=0.1, Tw=0.01, Tc=0.01, Ts=0.05, m=1000)
     t = Tuner(TunerConfig(window_steps=50, max_factor=5.0), p=0.035, profile=prof, k=80, mode="cpu", mtbf_s=4.0)
-    changes, s, k = [], 1, 80
-    for _ in range(12):
-        for c in _feed(t, k, 0.02, intervals=1, start=s):
-            changes.append(c)
-        s += k
+    changes, s = [], 1
+    for _ in range(40):   # intervals of the k in force; each persist reported the step after its checkpoint
         k = t.k
-    want = freq.k_young(Ti=0.1, To=0.02, latency_s=0.06, mtbf_s=4.0, k_lo=1)
-    assert want == 4 and t.k == want
+        for i in range(k):
+            ch = t.observe(StepMeasurement(step=s, iter_s=0.1 + (0.02 if i == k - 1 else 0.0),
+                                           checkpointed=i == k - 1, persist_s=0.05 if i == 0 and s > 1 else None))
+            changes += [ch] if ch else []
+            s += 1
+    want = freq.k_young(Ti=0.1, To=0.02, latency_s=0.06, mtbf_s=4.0, k_lo=3)
+    assert want == 4 and t.k == want and t.Ti == pytest.approx(0.1)
     assert [c.k_new for c in changes] == [16, want]   # 80 / 5, then the optimum
     assert "Young/Daly's k=4 for MTBF=4s" in changes[-1].reason and "C0=0.02s" in changes[-1].reason
     assert 0.02 / (t.k * 0.1) > 0.035   # above the budget: the budget does not bind with an MTBF
@@ -387,6 +389,17 @@ def test_with_an_mtbf_a_persist_wait_still_raises_k():
     changes = _feed(t, 10, 1.21, intervals=7, wait=1.2)
     assert [c.k_new for c in changes] == [22]   # k + ceil(1.2 / 0.1), above Young's optimum
     assert _feed(t, 22, 0.0, intervals=10, start=1000) == []   # and not lowered back
+
+
+def test_with_an_mtbf_a_window_without_quiet_steps_does_not_lower_k():
+    """With a persist always in flight (none reported) no step is free of checkpoint work: the
+    cost per checkpoint would be measured against a stale Ti (here one profiled under load,
+    0.2 s, against 0.1 s now), so it must not lower k (it would find checkpoints free and go
+    to the persist bound, where no step is ever quiet again)."""
+    prof = Profile(Ti=0.2, Tw=0.01, Tc=0.01, Ts=0.05, m=1000)
+    t = Tuner(TunerConfig(window_steps=50), p=0.035, profile=prof, k=40, mode="cpu", mtbf_s=10.0)
+    assert _feed(t, 40, 0.05, intervals=6) == []   # no persist reported: never quiet, never fresh
+    assert t.k == 40 and t.Ti == 0.2
 
 
 def test_a_restart_brings_the_measured_cost_and_the_run_start_gives_an_mtbf():

@@ -87,7 +87,7 @@ def test_k_young_is_the_integer_minimum_of_the_waste(Ti, To, latency, mtbf):
     (20000.0, 0.0, 200),  # Young: sqrt(2 * 1 * 20000) / 1 = 200 > the budget's 20: fewer checkpoints
     (50.0, 0.0, 10),      # Young says 10: below the budget's 20 (p = 5%), failures cost more than
                           # the extra checkpoints (waste 0.10 + 0.1 + ... < 0.05 + 0.2 + ...)
-    (50.0, 14.0, 14),     # the persist bound still holds: ceil((1 + 14 - 1) / 1) = 14 > Young's 10
+    (50.0, 14.0, 16),     # the persist bound ceil((1 + 14 - 1) / 1) = 14 still holds, with 2 quiet steps
 ])
 def test_decide_with_mtbf_minimises_the_waste_above_the_persist_bound(mtbf, Ts, k):
     prof = Profile(Ti=1.0, Tw=0.0, Tc=5.0, Tg=1.0, Ts=Ts, m=1, M=1, Mmax=100)
