@@ -219,16 +219,23 @@ class Tuner:
         return max(self.k_floor(), freq._ceil(C0 / (target * self.Ti)), 1)
 
     def _toward_young(self, k: int, k_fit: int, W: float, overhead: float,
-                      fresh: bool) -> tuple[int | None, str]:
+                      fresh: bool, n: int) -> tuple[int | None, str]:
         """With a known MTBF: ``k`` follows Young/Daly's optimum with the measured cost per
         checkpoint (:meth:`k_floor`), not the budget; a persist wait still raises it at once to
         where the persist fits, and it is never lowered back to an interval where one was seen
         (unless persists got 20% faster), nor lowered by a window too busy to re-measure ``Ti``
-        (fewer than 5 quiet steps). 10% slack, so noise does not nudge ``k``."""
+        (fewer than 5 quiet steps): such a window doubles ``k`` instead, since the cost it
+        measures is against a stale ``Ti``. 10% slack, so noise does not nudge ``k``."""
         cfg = self.config
         want = self.k_floor()
         if W > 0:
             want = max(want, k_fit)
+        if not fresh and want <= k:
+            # no step of the window was free of checkpoint work: the interval is too short to
+            # measure what a checkpoint costs; double it until it is not
+            want = 2 * k
+            if want <= 1.1 * k:
+                want = k + 1
         if self._wait_seen is not None:
             kw, ts = self._wait_seen
             if self.Ts < 0.8 * ts:
@@ -238,8 +245,11 @@ class Tuner:
         if abs(want - k) <= 0.1 * k or (want < k and not fresh):
             return None, ""   # lowered only on a cost measured against a fresh Ti
         k_new = min(max(want, math.floor(k / cfg.max_factor), 1), math.ceil(k * cfg.max_factor), cfg.k_max)
+        cost = f"C0={self.To_meas:.3g}s" if self.To_meas is not None else "C0 not measured yet"
         why = (f"Young/Daly's k={want} for MTBF={self.mtbf_s:.4g}s with the measured cost per checkpoint "
-               f"C0={self.To_meas:.3g}s (overhead={overhead * 100:.2f}%)")
+               f"{cost} (overhead={overhead * 100:.2f}%)" if fresh else
+               f"k={want}: fewer than 5 steps of {n} free of checkpoint work, too few to re-measure Ti "
+               f"(MTBF={self.mtbf_s:.4g}s)")
         return (k_new if k_new != k else None), why
 
     def _close_window(self, step: int) -> Change | None:
@@ -259,7 +269,7 @@ class Tuner:
             self._wait_seen = (k_fit, self.Ts)
         # what one checkpoint costs beyond waiting for its predecessor's persist
         C0 = C - W
-        if fresh or self.To_meas is None:   # against a stale Ti, C0 is off by that Ti's error
+        if fresh:   # against a stale Ti, C0 is off by that Ti's error
             self.To_meas = C0 if self.To_meas is None else cfg.ema * C0 + (1 - cfg.ema) * self.To_meas
         p = self.p
         inputs = {"overhead": overhead, "p": p, "steps": n, "checkpoints": c, "Ti": self.Ti,
@@ -270,7 +280,7 @@ class Tuner:
         k = self.k
         target = cfg.lower_target * p
         if self.mtbf_s is not None:
-            k_new, why = self._toward_young(k, k_fit, W, overhead, fresh)
+            k_new, why = self._toward_young(k, k_fit, W, overhead, fresh, n)
             if k_new is None:
                 return None
         elif overhead > cfg.raise_above * p:

@@ -121,15 +121,17 @@ def _tuner(k=10, **cfg):
     return Tuner(TunerConfig(window_steps=50, **cfg), p=0.035, profile=prof, k=k, mode="cpu")
 
 
-def _feed(tuner, k, extra, intervals, start=1, wait=0.0):
+def _feed(tuner, k, extra, intervals, start=1, wait=0.0, persist=None):
     """``intervals`` intervals of ``k`` steps; the checkpoint step costs ``extra`` more, of which
-    ``wait`` is a stall for the previous persist."""
+    ``wait`` is a stall for the previous persist; ``persist``: seconds of each persist, reported
+    the step after its checkpoint (None: never reported)."""
     out, s = [], start
-    for _ in range(intervals):
+    for j in range(intervals):
         for i in range(k):
             last = i == k - 1
             ch = tuner.observe(StepMeasurement(step=s, iter_s=0.1 + (extra if last else 0.0),
-                                               checkpointed=last, stall_s=wait if last else 0.0))
+                                               checkpointed=last, stall_s=wait if last else 0.0,
+                                               persist_s=persist if i == 0 and (j or s > start) else None))
             if ch:
                 out.append(ch)
             s += 1
@@ -388,18 +390,19 @@ def test_with_an_mtbf_a_persist_wait_still_raises_k():
     t = Tuner(TunerConfig(window_steps=50), p=0.035, profile=prof, k=10, mode="cpu", mtbf_s=10.0)
     changes = _feed(t, 10, 1.21, intervals=7, wait=1.2)
     assert [c.k_new for c in changes] == [22]   # k + ceil(1.2 / 0.1), above Young's optimum
-    assert _feed(t, 22, 0.0, intervals=10, start=1000) == []   # and not lowered back
+    assert _feed(t, 22, 0.0, intervals=10, start=1000, persist=0.5) == []   # and not lowered back
 
 
 def test_with_an_mtbf_a_window_without_quiet_steps_does_not_lower_k():
     """With a persist always in flight (none reported) no step is free of checkpoint work: the
     cost per checkpoint would be measured against a stale Ti (here one profiled under load,
     0.2 s, against 0.1 s now), so it must not lower k (it would find checkpoints free and go
-    to the persist bound, where no step is ever quiet again)."""
+    to the persist bound, where no step is ever quiet again): the window doubles k instead."""
     prof = Profile(Ti=0.2, Tw=0.01, Tc=0.01, Ts=0.05, m=1000)
     t = Tuner(TunerConfig(window_steps=50), p=0.035, profile=prof, k=40, mode="cpu", mtbf_s=10.0)
-    assert _feed(t, 40, 0.05, intervals=6) == []   # no persist reported: never quiet, never fresh
-    assert t.k == 40 and t.Ti == 0.2
+    changes = _feed(t, 40, 0.05, intervals=3)   # no persist reported: never quiet, never fresh
+    assert [c.k_new for c in changes] == [80] and t.Ti == 0.2 and t.To_meas is None
+    assert "too few to re-measure Ti" in changes[0].reason
 
 
 def test_a_restart_brings_the_measured_cost_and_the_run_start_gives_an_mtbf():
