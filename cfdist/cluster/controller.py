@@ -208,15 +208,14 @@ class Controller:
                        key=lambda x: (x[0], x[1]))
         for _, is_commit, r in items:
             if is_commit:
+                self._refill_spares()
                 resize = self._on_commit(st, r) or resize
                 continue
             kind = r.get("type")
             fields = {k: v for k, v in r.items() if k not in ("type", "t", "rank")}
             if kind == "step":
-                if not self._refilled:
-                    # the group runs: now replace the spares it took (not while it restores)
-                    self._refilled = True
-                    getattr(self.backend, "refill_spares", lambda: None)()
+                if self._attempt_base > 0 or self.attempt > 0:
+                    self._refill_spares()
                 if self._recovery is not None and "restarted_at" in self._recovery:
                     # the loop never called ckpt.restore(): it resumed from its own state
                     self._on_restored({"step": self._attempt_base, "restore_s": None, "t": r["t"]})
@@ -236,6 +235,15 @@ class Controller:
             elif kind == "checkpoint_error":   # rank 0's persist failed; training went on
                 self.events.emit("checkpoint_failed", t=r["t"], **fields)
         return resize
+
+    def _refill_spares(self) -> None:
+        """Replace the spare processes the attempt took, once it runs: after its first step
+        (not while it restores), or, for a run starting from scratch, after its first commit
+        (not while ``Auto`` profiles its first steps: processes importing torch beside them made
+        a checkpoint look several times dearer than it is)."""
+        if not self._refilled:
+            self._refilled = True
+            getattr(self.backend, "refill_spares", lambda: None)()
 
     def _on_restored(self, r: dict) -> None:
         rec, self._recovery = self._recovery, None
