@@ -12,8 +12,10 @@ warm-up round.
 
 * ``raw buffered``: ``os.write`` of the bytes in 16 MiB chunks + ``fsync`` (the page cache path);
 * ``raw direct``: the same with ``O_DIRECT`` from an aligned buffer (the disk's own speed);
-* ``persist`` (:func:`cfdist.checkpoint.persist.write_checkpoint` of a snapshot already in its
-  arenas: shard files, per-tensor xxh3, fsync, manifest, atomic commit) for each ``--io`` mode
+* ``persist`` (:func:`cfdist.checkpoint.persist.write_checkpoint` of a snapshot taken right
+  before it, untimed, as in training: shard files, per-tensor xxh3, fsync, manifest, atomic
+  commit, the LATEST hint, and retention with ``keep=1``, which retires the previous step
+  whose files the next persist writes over), timed around the call, for each ``--io`` mode
   on one root, for ``--roots`` striped roots (directories under ``--dir``: on one disk they
   share its bandwidth; on N disks pass ``--root-dirs``), and for ``--threads`` writer threads
   per file (``O_DIRECT``);
@@ -80,11 +82,18 @@ class PersistCase:
         self.dir = tempfile.mkdtemp(prefix="persist-", dir=base)
         self.storages = open_storages([f"file://{d}/{os.path.basename(self.dir)}" for d in dirs])
         self.snap = Snapshotter(n_shards=roots)
+        self.tensors = tensors
         self.snap.start(tensors)
         self.snap.wait_copied()
         self.step = 0
 
     def run(self) -> dict:
+        # A fresh snapshot right before each persist, not timed: in training persist i reads
+        # arenas that snapshot i has just written. Arenas left idle for a second are much
+        # slower to read on this VM (hashing 200 MB: 0.13-0.16 s after 0.5 s idle, 0.023 s
+        # right after a copy), which made the first version of this bench read 0.63x.
+        self.snap.start(self.tensors)
+        self.snap.wait_copied()
         self.step += 1
         shards = [ShardJob(index=i, count=len(self.snap.layout), root=i, nbytes=a.nbytes, entries=es)
                   for i, (es, a) in enumerate(zip(self.snap.layout, self.snap.host))]

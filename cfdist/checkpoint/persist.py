@@ -380,8 +380,10 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
                 continue
             arena = arenas[s.index].numpy()
             sh = written[s.index] = codecs.encode_shard(enc, s.entries, arena)
+            # data at a page boundary on local roots: O_DIRECT needs it, and a buffered write
+            # over a reused file then replaces whole pages (no read of the old ones first)
             hdr = safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)},
-                                     align=ALIGN if local and job.io != "buffered" else 8)
+                                     align=ALIGN if local else 8)
             chunks = _shard_chunks(hdr, arena, sh.entries, sums) if enc is None else \
                 _shard_chunks(hdr, None, sh.entries, sums, sh.buffers)
             with io_mode(job.io, threads=job.io_threads, reuse=True):
