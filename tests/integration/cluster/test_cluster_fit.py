@@ -468,3 +468,76 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
             ck.close()
         ray.get(a.close.remote())
         ray.kill(a)
+
+
+def test_shared_writers_n_uploads_from_exactly_n_nodes(fake_cluster, tmp_path):
+    """Three NodeCheckpointer actors (Ray actors on the fake cluster) with
+    ``shared_writers=2``, whose node-local tiers hold the same steps written by real
+    Checkpointers (node C's with other BatchNorm statistics, as a replica's would be). Faked:
+    the training (three Checkpointers on the driver stand in for the nodes' writer ranks).
+
+    1. node A (node 0) flushes step 2: the shared checkpoint has exactly 2 writers, A and B
+       (the manifest's ``slicing.nodes``, its shards' ``writer`` fields, the actors' own
+       ``shared_slice_written`` events: none from C), and loads bit-exact equal to A's copy;
+    2. B's tier lacks step 3 (its writer stopped at step 2): the helper is C, the next node
+       holding it; C's different BatchNorm statistics are A's, written by A; bit-exact again.
+    """
+    from cfdist.checkpoint.discovery import is_committed
+    from cfdist.cluster.config import FitConfig
+    from cfdist.cluster.node_actor import NodeCheckpointer
+    from cfdist.storage import open_storages
+
+    states = {n: _bn_state() for n in "ABC"}
+    cks = {n: cfdist.Checkpointer({"model": m, "optim": o}, f"file://{tmp_path}/{n}/r", cfdist.Every(1), keep=5)
+           for n, (m, o) in states.items()}
+
+    def step(i, nodes):
+        for n in nodes:
+            m, o = states[n]
+            m(torch.randn(16, 256, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+            if n == "C":
+                m[1].running_mean.add_(1.0)   # another replica's statistics; parameters stay equal
+            cks[n].step(o)
+            o.zero_grad()
+            cks[n].wait()
+
+    for i in range(2):
+        step(i, "ABC")
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", shared_storage=f"file://{tmp_path}/shared",
+                    run_name="r", memory_tier=False, shared_every=1, keep=5, shared_slice_timeout_s=60,
+                    shared_writers=2)
+    remote = ray.remote(NodeCheckpointer)
+    a, b, c = (remote.options(num_cpus=0).remote(config=cfg, run_id="sw", node_id=n * 16, node_name=n) for n in "ABC")
+    shared = f"file://{tmp_path}/shared/r"
+    try:
+        ray.get([a.begin_attempt.remote(1, shared_writer=True, peers=[b, c]),
+                 b.begin_attempt.remote(1, shared_writer=False), c.begin_attempt.remote(1, shared_writer=False)])
+        assert ray.get(a.flush_shared.remote(2)) == 2
+        sm, st = _loaded(shared, 2)
+        assert sm["slicing"]["writers"] == 2 and sm["slicing"]["nodes"] == ["A", "B"]
+        assert sorted({sh["writer"] for sh in sm["shards"]}) == [0, 1] and sm["split"]
+        events = {n: ray.get(x.drain_events.remote()) for n, x in zip("ABC", (a, b, c))}
+        wrote = {n: [e["writer"] for e in evs if e["event"] == "shared_slice_written" and e["step"] == 2]
+                 for n, evs in events.items()}
+        assert wrote == {"A": [0], "B": [1], "C": []}, wrote
+        (commit,) = [e for e in events["A"] if e["event"] == "checkpoint_committed" and e["tier"] == "shared"]
+        assert commit["writers"] == 2 and commit["nodes"] == ["A", "B"]
+        at = _loaded(f"file://{tmp_path}/A/r", 2)[1]
+        assert at.keys() == st.keys() and all(torch.equal(at[k], st[k]) for k in at)
+
+        cks["B"].close()
+        step(2, "AC")
+        assert ray.get(a.flush_shared.remote(3)) == 3
+        sm3, st3 = _loaded(shared, 3)
+        assert sm3["slicing"]["nodes"] == ["A", "C"] and sorted({sh["writer"] for sh in sm3["shards"]}) == [0, 1]
+        bn = [k for k in sm3["tensors"] if "running_mean" in k]
+        assert bn and all(sm3["shards"][sm3["tensors"][k]["shard"]]["writer"] == 0 for k in bn)
+        at3 = _loaded(f"file://{tmp_path}/A/r", 3)[1]
+        assert at3.keys() == st3.keys() and all(torch.equal(at3[k], st3[k]) for k in at3)
+        assert is_committed(open_storages(shared)[0], 2)
+    finally:
+        for ck in cks.values():
+            ck.close()
+        ray.get([x.close.remote() for x in (a, b, c)])
+        for x in (a, b, c):
+            ray.kill(x)
