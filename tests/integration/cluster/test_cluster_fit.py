@@ -41,12 +41,12 @@ STEPS = 24          # 3 epochs of 8 steps with 2 ranks
 EVERY = 4
 
 
-def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, **kw):
+def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s)
     result = fit(loop,
-                 num_nodes=2, workers_per_node=1, storage=f"file://{tmp}/{{node}}/local",
+                 num_nodes=num_nodes, workers_per_node=1, storage=f"file://{tmp}/{{node}}/local",
                  policy=Every(EVERY), preemption=schedule, run_name=name, progress=False,
                  event_log=str(tmp / f"{name}.jsonl"), max_failures=3, **kw)
     return result, out
@@ -345,6 +345,35 @@ def test_shared_upload_is_sliced_between_the_node_actors(fake_cluster, tmp_path)
     commits = [r for r in _records(tmp_path / "sliced.jsonl") if r.get("event") == "checkpoint_committed"
                and r.get("tier") == "shared"]
     assert EVERY in {r["step"] for r in commits}
+
+
+@pytest.mark.heavy
+def test_three_node_fit_with_shared_writers_2_uploads_each_shared_step_from_two_nodes(fake_cluster, tmp_path):
+    """``cfdist.fit`` on 3 fake nodes with a shared tier at every checkpoint and
+    ``shared_writers=2`` (real: Ray, 3 rank processes, gloo, node actors, files). The points:
+    every sliced shared commit in the event log was written by exactly 2 distinct nodes of the
+    group (``writers``, ``writer_nodes``); the final shared checkpoint's manifest names the
+    same 2 nodes, has shards of writers 0 and 1 only, and loads bit-exact equal to node 0's
+    node-local copy and to the run's final parameters; every sample once per epoch."""
+    fake_cluster.ensure_workers(3)
+    result, out = _fit(fake_cluster, tmp_path, "sw2", num_nodes=3, shared_storage=f"file://{tmp_path}/shared",
+                       shared_every=1, shared_writers=2)
+    assert result.failures == 0 and result.final_step == STEPS
+    check_exactly_once(str(out), STEPS)
+    names = {fake_cluster.names[nid] for nid in fake_cluster.nodes}
+    commits = [r for r in _records(tmp_path / "sw2.jsonl") if r.get("event") == "checkpoint_committed"
+               and r.get("tier") == "shared"]
+    sliced = [r for r in commits if r["writers"] > 1]
+    assert sliced and all(r["writers"] == 2 and len(set(r["writer_nodes"])) == 2 and set(r["writer_nodes"]) <= names
+                          for r in sliced), commits
+    m, tensors = _loaded(f"file://{tmp_path}/shared/sw2", STEPS)
+    assert m["slicing"]["writers"] == 2 and len(set(m["slicing"]["nodes"])) == 2 and set(m["slicing"]["nodes"]) <= names
+    assert sorted({sh["writer"] for sh in m["shards"]}) == [0, 1]
+    node0 = m["slicing"]["nodes"][0]
+    _, local = _loaded(f"file://{tmp_path}/{node0}/local/sw2", STEPS)
+    assert local.keys() == tensors.keys() and all(torch.equal(local[k], tensors[k]) for k in local)
+    _assert_same(load(f"file://{tmp_path}/shared/sw2")["state"]["model"],
+                 {"module." + k: v for k, v in result.value.items()})
 
 
 def _bn_state():
