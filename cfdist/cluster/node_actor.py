@@ -554,6 +554,9 @@ class NodeCheckpointer:
         if self._shared_thread.is_alive():
             self._shared_thread.join(timeout=60)
         self.forget_workers(dead_pids)
+        from cfdist.checkpoint.checkpointer import _drop_reuse_pools
+
+        _drop_reuse_pools([*(self.local or []), *((self.shared or []) if self._shared_writer else [])])
         if remove_memory and self._mem_dir:
             shutil.rmtree(self._mem_dir, ignore_errors=True)
             try:

@@ -68,16 +68,16 @@ def _run(tmp_path, buffers: int) -> tuple[cfdist.Checkpointer, Paced, dict, str]
     st = Paced(open_storage(url))
     ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, st, cfdist.Every(1), keep=100, buffers=buffers)
     stop = threading.Event()
+    want, g = {}, torch.Generator().manual_seed(1)
 
-    def watchdog():   # training blocked on a persist: let every persist finish (else: deadlock)
-        while not stop.is_set():
+    def watchdog():   # training blocked on a persist: let the persists submitted so far finish
+        while not stop.is_set():   # (else: deadlock); never a later step's, which must wait its turn
             if _main_waits_for_persist():
-                st.grant(*range(1, N + 1))
+                st.grant(*range(1, len(want) + 1))
             time.sleep(0.001)
 
     w = threading.Thread(target=watchdog, daemon=True)
     w.start()
-    want, g = {}, torch.Generator().manual_seed(1)
     try:
         for step in range(1, N + 1):
             if step > 2:   # persist step-2 finishes during this iteration, before the checkpoint
