@@ -364,8 +364,7 @@ def main(argv=None) -> int:
             res = json.load(f)
         if a.note:
             res["note"] = a.note
-        with open(os.path.join(a.out, "persist.md"), "w") as f:
-            f.write(markdown(res))
+        _write_md(a.out, markdown(res))
         return 0
     if a.quick:
         a.sizes, a.rounds, a.roots, a.threads, a.writers_mb = [4, 16], 1, [1, 2], [1, 2], 8.0
@@ -375,10 +374,25 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "persist.json"), "w") as f:
         json.dump(res, f, indent=1)
-    with open(os.path.join(a.out, "persist.md"), "w") as f:
-        f.write(markdown(res))
+    _write_md(a.out, markdown(res))
     print(f"wrote {a.out}/persist.md and persist.json")
     return 0
+
+
+def _write_md(out: str, text: str) -> None:
+    """Write ``out/persist.md``, keeping the section ``bench/bench_shared_upload.py`` put there."""
+    from bench_shared_upload import BEGIN, END
+
+    path = os.path.join(out, "persist.md")
+    try:
+        with open(path) as f:
+            old = f.read()
+    except FileNotFoundError:
+        old = ""
+    if BEGIN in old and END in old:
+        text = text.rstrip("\n") + "\n\n" + old[old.index(BEGIN):old.index(END) + len(END)] + "\n"
+    with open(path, "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":
