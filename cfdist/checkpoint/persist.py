@@ -56,6 +56,7 @@ import threading
 import time
 import uuid
 import weakref
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -223,6 +224,16 @@ class CommitGate:
     def abandon(self) -> bool:
         """Waiter, on timeout: True = the writer can never commit; False = it is committing."""
         return self._take(self.ABANDON)
+
+    def claimed_for_commit(self) -> bool:
+        """Whether the writer claimed the gate to commit (it may have died right after)."""
+        if self.path is None:
+            return self._owner == self.COMMIT
+        try:
+            with open(self.path) as f:
+                return f.read() == self.COMMIT
+        except FileNotFoundError:
+            return False
 
     def abandoned(self) -> bool:
         """Whether the waiter gave up already (a hint for the writer; :meth:`claim` decides)."""
@@ -742,7 +753,8 @@ class ProcessBackend:
     """Persist in a spawned writer process that maps the arenas from /dev/shm.
 
     A writer process that died (killed, out of memory) fails the persist it was running with
-    ``BrokenProcessPool``; the next job gets a new writer process. A write given up as hung
+    ``BrokenProcessPool`` (unless it died right after committing: then the persist is
+    committed); the next job gets a new writer process. A write given up as hung
     has its writer process killed, and the next job a new one.
     """
 
@@ -788,8 +800,55 @@ class ProcessBackend:
             log.warning("the persist writer process died; starting a new one for step %d", job.step)
             self._replace_pool(kill=False)
             fut = self._ex.submit(_child_write, self.urls, self.options, job)
-        return FuturePending(fut, job.step, job.gate, on_abandon=lambda p: self._replace_pool(kill=True),
-                             after=self._started)
+        return FuturePending(self._settled(fut, job), job.step, job.gate,
+                             on_abandon=lambda p: self._replace_pool(kill=True), after=self._started)
+
+    def _settled(self, fut: cf.Future, job: PersistJob) -> cf.Future:
+        """``fut``, except that a writer process that died *after* committing its step (it
+        claimed the gate for the commit, and the manifest is in place) is a commit, not a failure:
+        the step is there, and reporting it failed would tell the user the previous checkpoint
+        is the newest. Its retention did not run; the next commit's does."""
+        out: cf.Future = cf.Future()
+        t0 = time.monotonic()
+
+        def done(f: cf.Future) -> None:
+            if f.cancelled():
+                out.cancel()
+                return
+            e = f.exception()
+            if isinstance(e, BrokenProcessPool):
+                try:
+                    info = self._committed_anyway(job, time.monotonic() - t0)
+                except Exception as e2:  # noqa: BLE001 - the writer's death stays the error; this is logged
+                    log.warning("could not check whether step %d committed before its writer died: %s",
+                                job.step, e2)
+                    info = None
+                if info is not None:
+                    out.set_running_or_notify_cancel()
+                    out.set_result(info)
+                    return
+            out.set_running_or_notify_cancel()
+            if e is not None:
+                out.set_exception(e)
+            else:
+                out.set_result(f.result())
+
+        fut.add_done_callback(done)
+        return out
+
+    def _committed_anyway(self, job: PersistJob, seconds: float) -> CommitInfo | None:
+        from cfdist.checkpoint.discovery import is_committed, read_manifest
+
+        if job.gate is None or not job.gate.claimed_for_commit():
+            return None
+        sts = _child_storages(tuple(self.urls), json.dumps(self.options, sort_keys=True))
+        if not is_committed(sts[0], job.step):
+            return None
+        m = read_manifest(sts, job.step)
+        log.warning("the persist writer process died right after committing step %d to %s: the step is "
+                    "committed (its retention runs with the next commit)", job.step, sts[0].url)
+        return CommitInfo(step=job.step, url=sts[0].url_of(step_dir(job.step)), bytes=int(m.get("bytes", 0)),
+                          seconds=seconds)
 
     def writer_pids(self) -> list[int]:
         """Pids of the live writer processes (for tests that kill them)."""
