@@ -272,7 +272,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._last_return: float | None = None
         self._persist_done: tuple[float, int, int] | None = None
-        self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0,
+        self._stats = dict(checkpoints=0, errors=0, stall_s=0.0, snapshot_s=0.0, snapshots=0, files_reused=0,
                            persist_s=0.0, bytes=0, last_error=None, bytes_logical=0, bytes_written=0,
                            persist_waits=0, persist_wait_s=0.0, io=None)
         # This run's lineage (retention deletes only its ancestors); restore() replaces it.
@@ -530,6 +530,8 @@ class Checkpointer:
         try:
             self.wait()
             self._save_profile()
+            if self._commits:
+                _drop_reuse_pools(self.storages)   # a finished run leaves its checkpoints only
         finally:
             self._closed = True
             for h in self._hooks:
@@ -577,6 +579,7 @@ class Checkpointer:
             "buffers": self.config.buffers, "arena_bytes": self._snap.arena_bytes,
             "persist_waits": s["persist_waits"], "persist_wait_s": s["persist_wait_s"],
             "inflight": sum(1 for p, _ in self._inflight if not p.done()), "io": s["io"],
+            "files_reused": s["files_reused"],
         }
         extra = getattr(self.policy, "stats", None)
         if callable(extra):
@@ -762,6 +765,7 @@ class Checkpointer:
             self._record_error(e, getattr(p, "step", -1))
             return
         self._stats["io"] = getattr(info, "io", None)
+        self._stats["files_reused"] += getattr(info, "reused", 0)
         self.latest_step = info.step
         self._rolled_back = {}   # recorded by that commit's retention
         self._stats["checkpoints"] += 1
@@ -890,3 +894,13 @@ class Checkpointer:
             self.storages[0].write_atomic(HISTORY, json.dumps(hist).encode())
         except OSError as e:
             log.warning("could not record the restart in %s: %s", self.storages[0].url, e)
+
+
+def _drop_reuse_pools(storages) -> None:
+    """Delete the roots' pools of retired checkpoint files (logged, never raised: the run's
+    checkpoints are committed already; a pool left behind is emptied by the next start)."""
+    for st in storages:
+        try:
+            st.drop_reuse_pool()
+        except OSError as e:
+            log.warning("could not empty the reuse pool of %s: %s (the next start empties it)", st.url, e)

@@ -77,7 +77,8 @@ def sweep(storages: list[Storage]) -> list[str]:
     a reordered list, or an empty/unmounted root 0 whose siblings hold data, raises
     ``StripeSetError`` and nothing is removed). Then ``.tmp-`` staging directories go, and a step
     directory goes only when root 0 holds no manifest for it (asked directly, not from a listing
-    that may lag). Committed checkpoints are never touched. Storage errors propagate.
+    that may lag), and so does a crashed run's reuse pool (:data:`cfdist.storage.direct.REUSE_DIR`).
+    Committed checkpoints are never touched. Storage errors propagate.
     Call once at start, from the single writer of these storages, before its first persist.
     """
     from cfdist.checkpoint import roots
@@ -85,6 +86,7 @@ def sweep(storages: list[Storage]) -> list[str]:
     roots.check(storages, create=True)
     removed = []
     for st in storages:
+        st.drop_reuse_pool()   # a crashed run's retired files (part of no checkpoint)
         for name in st.listdir(""):
             step = parse_step_dir(name)
             if TMP_MARK in name and (parse_step_dir(name.split(TMP_MARK)[0]) is not None
@@ -99,12 +101,12 @@ def sweep(storages: list[Storage]) -> list[str]:
     return removed
 
 
-def _read_inside(st: Storage, step: int, name: str, *, mapped: bool = False) -> bytes | memoryview:
+def _read_inside(st: Storage, step: int, name: str, *, private: bool = False) -> bytes | memoryview:
     """The bytes of ``<step dir>/<name>``, refusing a file that resolves outside the step directory.
 
     A local shard or manifest that is a symlink (to /etc/passwd, to another checkpoint) is a
-    content error: nothing outside a checkpoint's own directory is ever read. ``mapped``: a
-    writable buffer, memory-mapped where the file is local (:meth:`Storage.read_mapped`).
+    content error: nothing outside a checkpoint's own directory is ever read. ``private``: a
+    writable buffer of this process's own (:meth:`Storage.read_private`).
     """
     rel = f"{step_dir(step)}/{name}"
     if getattr(st, "is_local", False):   # (a frozen in-memory copy has no paths)
@@ -114,7 +116,7 @@ def _read_inside(st: Storage, step: int, name: str, *, mapped: bool = False) -> 
             raise CheckpointError(f"{st.url_of(rel)} resolves to {real}, outside its checkpoint directory "
                                   f"(a symlink?); refusing to read it")
     try:
-        return st.read_mapped(rel) if mapped else st.read_bytes(rel)
+        return st.read_private(rel) if private else st.read_bytes(rel)
     except IsADirectoryError:
         raise CheckpointError(f"{st.url_of(rel)} is a directory, not a file") from None
 
@@ -170,9 +172,9 @@ def read_tensors(storages: list[Storage], step: int, manifest: dict, *, verify: 
         rel = f"{step_dir(step)}/{sh['file']}"
         where = st.url_of(rel)
         try:
-            # mapped: a shard in the memory tier (tmpfs) or on local disk is not copied into
-            # this process before the live tensors are loaded from it
-            raw = _read_inside(st, step, sh["file"], mapped=True)
+            # private: read once into this process's memory, and the tensors below are views of
+            # it (one copy; never a map of the file, which the next persist may write over)
+            raw = _read_inside(st, step, sh["file"], private=True)
         except FileNotFoundError:
             raise CheckpointError(f"{where} is missing") from None
         start, hdr = parse_safetensors_header(raw, where=where)

@@ -26,6 +26,8 @@ and the manifest adds::
                            "pieces": [["<name>@bytes0", 0, 8388608], ["<name>@bytes8388608", 8388608, 16777216]]}}
 
 Readers join the pieces (in order, tiling the tensor's bytes exactly) after their checksums.
+A shared-tier checkpoint uploaded in slices by ``cfdist.fit``'s node actors also records
+``"by": "nodes"`` and ``"nodes"`` (each writer's node name, writer 0 first) in ``"slicing"``.
 
 **Codecs** (``Checkpointer(codecs=[...])``, :mod:`cfdist.checkpoint.codecs`). Without codecs
 the format above is unchanged, byte for byte. With codecs, an encoded tensor stays in the same

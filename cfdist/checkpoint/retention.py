@@ -184,11 +184,12 @@ def _is_epoch_end(storage, step: int) -> bool | None:
 
 
 def delete_checkpoint(storages, step: int) -> None:
-    """Un-commit first (the manifest goes), then the files on every root."""
+    """Un-commit first (the manifest goes), then the files on every root (local roots keep them
+    in their reuse pool for the next persist to write over: :meth:`Storage.retire`)."""
     d = step_dir(step)
     storages[0].remove(f"{d}/{MANIFEST}")
     for st in storages:
-        st.remove(d)
+        st.retire(d)
     _forget(storages[0], step)
 
 

@@ -68,8 +68,10 @@ class FitConfig:
     BatchNorm statistics) and commits once all slices are durable. A peer that fails or does
     not answer within ``shared_slice_timeout_s`` leaves that step uncommitted on the shared
     tier (the previous one stays) and node 0 uploads whole from then on, until the next
-    restart of the group. ``N``: the first N nodes. ``1``: node 0 uploads every byte (the
-    behaviour before slicing). Each node-local tier always keeps its full copy."""
+    restart of the group. ``N``: node 0 and the first N-1 other nodes (in the group's order)
+    that hold the step. ``1``: node 0 uploads every byte (the behaviour before slicing). Each
+    node-local tier always keeps its full copy; the shared manifest's ``slicing.nodes`` names
+    the node of each writer."""
     shared_slice_timeout_s: float = 600.0
     """How long node 0 waits for its peers' slices of a shared-tier upload before giving the
     step up (it then uploads whole)."""

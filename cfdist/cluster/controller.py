@@ -266,8 +266,9 @@ class Controller:
             return None   # every node commits the same step: log the first
         self._committed.add(key)
         node = st.group.node_rank_of(c.get("node_id")) if hasattr(st.group, "node_rank_of") else None
+        who = {"writers": c["writers"], "writer_nodes": c.get("nodes")} if "writers" in c else {}   # shared tier
         self.events.emit("checkpoint_committed", t=c["t"], step=c["step"], tier=c["tier"], node=node,
-                         bytes=c.get("bytes"), persist_s=c.get("persist_s"))
+                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who)
         if self._grow_to is None or c["step"] < self._grow_step:
             return None
         self.events.emit("resize", step=c["step"], world_size=st.group.world_size,

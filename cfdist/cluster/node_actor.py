@@ -11,13 +11,16 @@ GIL shared with training, no copy through the object store):
 2. the **local** tier: the node-local disk(s) of ``FitConfig.storage``;
 3. every ``shared_every``-th checkpoint (when this node is the group's node 0), the **shared**
    tier, copied from the memory/local copy on a background thread so the arenas are free at once.
-   With ``FitConfig.shared_writers="all"`` (or N >= 2) the upload is split: node 0's actor plans
-   byte-balanced slices (:class:`~cfdist.checkpoint.slices.Slicer`) over the step's tensors,
-   pins whole to itself every tensor whose checksum differs between the nodes' copies (module
-   buffers: BatchNorm statistics differ between replicas), asks each peer actor holding the
-   step to upload one slice from its own node copy (:meth:`upload_slice`: a Ray call whose
-   return value is the slice's manifest entries), writes its own slice, and commits once every
-   slice is durable (:func:`~cfdist.checkpoint.persist.write_checkpoint` with ``slices=``).
+   With ``FitConfig.shared_writers="all"`` (or N >= 2) the upload is split: node 0's actor asks
+   its peers which of them hold the step, takes the first N-1 that do (in the group's order;
+   all of them for ``"all"``) and plans byte-balanced slices over the step's tensors
+   (:func:`plan_shared_slices`, pure), pinning whole to itself every tensor whose checksum
+   differs between its copy and a helper's (module buffers: BatchNorm statistics differ
+   between replicas); it asks each helper to upload one slice from its own node copy
+   (:meth:`upload_slice`: a Ray call whose return value is the slice's manifest entries),
+   writes its own slice, and commits once every slice is durable
+   (:func:`~cfdist.checkpoint.persist.write_checkpoint` with ``slices=``); the manifest's
+   ``slicing.nodes`` names the node of each writer.
    A peer that fails, dies or times out leaves the step uncommitted there (the previous one
    stays); node 0 then uploads whole until the next attempt.
 
@@ -84,6 +87,48 @@ def _sweep_orphans(run_name: str, node_id: str) -> None:
 
 class _Unsliceable(Exception):
     """A step that cannot be uploaded in slices (nothing written yet): it goes whole."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedSlicePlan:
+    """Who uploads what of one shared-tier checkpoint (:func:`plan_shared_slices`)."""
+
+    helpers: tuple[int, ...]
+    """Indices, into the peers asked, of the nodes that write slices 1, 2, ... (node 0 writes 0)."""
+    pieces: list[list[slices.Piece]]
+    """The pieces each writer uploads (``pieces[0]``: node 0's)."""
+    split: dict
+    """The manifest's ``"split"`` (tensors cut between writers)."""
+    pinned: frozenset[str]
+    """Tensors node 0 writes whole because a helper's copy differs (or has no checksum)."""
+
+    @property
+    def writers(self) -> int:
+        return 1 + len(self.helpers)
+
+
+def plan_shared_slices(tensors: dict[str, dict], theirs: list[dict[str, str] | None],
+                       shared_writers: str | int) -> SharedSlicePlan | None:
+    """Plan a sliced shared-tier upload of one step. Pure.
+
+    ``tensors``: node 0's manifest entries of the step (``dtype``, ``shape``, ``xxh3``);
+    ``theirs``: each peer's checksums of its own copy of the step, in the group's order (None:
+    no copy, or no answer); ``shared_writers``: ``"all"`` or N (``FitConfig.shared_writers``).
+    Node 0 and the first N-1 peers holding a copy (every holder for ``"all"``) write a
+    byte-balanced slice each; what differs between node 0's copy and a helper's is node 0's,
+    written whole by node 0. None: nothing to split (N = 1, or no peer holds the step).
+    """
+    want = len(theirs) if shared_writers == "all" else shared_writers - 1
+    helpers = tuple(i for i, s in enumerate(theirs) if s is not None)[:max(0, want)]
+    if not helpers:
+        return None
+    mine = {k: t.get("xxh3") for k, t in tensors.items()}
+    pinned = frozenset(k for k, v in mine.items() if v is None or any(theirs[i].get(k) != v for i in helpers))
+    meta = {k: torch.empty(t["shape"], dtype=ST_TO_TORCH[t["dtype"]], device="meta") for k, t in tensors.items()}
+    slicer = slices.Slicer(0, 1 + len(helpers))
+    slicer.select(meta, pinned)
+    return SharedSlicePlan(helpers=helpers, pieces=[slicer.pieces(w) for w in range(slicer.writers)],
+                           split=slicer.split, pinned=pinned)
 
 
 class StaleAttempt(RuntimeError):
@@ -268,8 +313,7 @@ class NodeCheckpointer:
         (``shared_writers``), else whole; a failed sliced upload is logged, commits nothing, and
         makes every later upload of this attempt whole (a waiting flush retries whole at once)."""
         t0 = time.perf_counter()
-        n = self.config.shared_writers
-        peers = self._peers if n == "all" else self._peers[:max(0, n - 1)]
+        peers = self._peers if self.config.shared_writers != 1 else []
         if peers and not self._whole_only:
             try:
                 info = self._upload_sliced(step, peers)
@@ -286,13 +330,14 @@ class NodeCheckpointer:
             else:
                 if info is not None:
                     self._event("checkpoint_committed", step=step, tier="shared", bytes=info["bytes"],
-                                writers=info["writers"], persist_s=round(time.perf_counter() - t0, 6))
+                                writers=len(info["nodes"]), nodes=info["nodes"],
+                                persist_s=round(time.perf_counter() - t0, 6))
                 return
         frozen = self._freeze_newest(step)
         if frozen is not None:
             transfer.commit_frozen(frozen, step, self.shared, source=f"node {self.node_name}",
                                    keep=self.config.keep)
-            self._event("checkpoint_committed", step=step, tier="shared", writers=1,
+            self._event("checkpoint_committed", step=step, tier="shared", writers=1, nodes=[self.node_name],
                         bytes=transfer.nbytes(frozen), persist_s=round(time.perf_counter() - t0, 6))
 
     def _read_node_copy(self, step: int, names: set[str] | None = None):
@@ -306,13 +351,13 @@ class NodeCheckpointer:
                     return m, (read_tensors(sts, step, m, names=names) if names is not None else None)
         return None
 
-    def step_sums(self, step: int) -> dict[str, str] | None:
-        """Each tensor's checksum in this node's copy of ``step`` (None: no copy, or one that
-        cannot be sliced: encoded by codecs)."""
+    def step_sums(self, step: int) -> dict | None:
+        """``{"node": this node's name, "sums": each tensor's checksum}`` of this node's copy of
+        ``step`` (None: no copy, or one that cannot be sliced: encoded by codecs)."""
         got = self._read_node_copy(step)
         if got is None or got[0].get("codecs"):
             return None
-        return {k: t.get("xxh3") for k, t in got[0]["tensors"].items()}
+        return {"node": self.node_name, "sums": {k: t.get("xxh3") for k, t in got[0]["tensors"].items()}}
 
     def upload_slice(self, step: int, index: int, writers: int, pieces: list, sums: dict[str, str],
                      tag: str) -> dict:
@@ -349,8 +394,9 @@ class NodeCheckpointer:
 
     def _upload_sliced(self, step: int, peers: list) -> dict | None:
         """Node 0's side of a sliced shared upload (see the module docstring). Returns
-        ``{"bytes", "writers"}``, or None when the shared tier holds this very checkpoint
-        already; raises :class:`~cfdist.checkpoint.slices.SliceError` when it did not commit."""
+        ``{"bytes", "nodes"}`` (the writers' node names, writer 0 first), or None when the shared
+        tier holds this very checkpoint already; raises
+        :class:`~cfdist.checkpoint.slices.SliceError` when it did not commit."""
         import ray
 
         got = self._read_node_copy(step)
@@ -374,25 +420,21 @@ class NodeCheckpointer:
                 log.warning("node %s: a peer did not say whether it holds step %d (%s: %s); it uploads no "
                             "slice of it", self.node_name, step, type(e).__name__, e)
                 theirs.append(None)
-        mine = {k: t.get("xxh3") for k, t in m0["tensors"].items()}
-        helpers = [p for p, s in zip(peers, theirs) if s is not None]
-        if not helpers:
+        plan = plan_shared_slices(m0["tensors"], [a and a["sums"] for a in theirs], self.config.shared_writers)
+        if plan is None:
             raise _Unsliceable("no peer holds it")
-        writers = 1 + len(helpers)
-        # what is not identical on every node (module buffers) is node 0's, written by node 0
-        pinned = {k for k, v in mine.items() if v is None or any(s is not None and s.get(k) != v for s in theirs)}
-        meta = {k: torch.empty(t["shape"], dtype=ST_TO_TORCH[t["dtype"]], device="meta")
-                for k, t in m0["tensors"].items()}
-        slicer = slices.Slicer(0, writers)
-        slicer.select(meta, pinned)
+        mine = {k: t.get("xxh3") for k, t in m0["tensors"].items()}
+        helpers = [peers[i] for i in plan.helpers]
+        nodes = [self.node_name] + [theirs[i]["node"] for i in plan.helpers]
+        writers = plan.writers
         tag = uuid.uuid4().hex[:8]
         base = dict(step=step, keep=self.config.keep, staging_tag=tag)
         write_checkpoint(self.shared, PersistJob(manifest={}, shards=[], arenas=[], commit=False, **base))
-        refs = [h.upload_slice.remote(step, w, writers, slicer.pieces(w),
-                                      {p.name: mine[p.name] for p in slicer.pieces(w)}, tag)
+        refs = [h.upload_slice.remote(step, w, writers, plan.pieces[w],
+                                      {p.name: mine[p.name] for p in plan.pieces[w]}, tag)
                 for w, h in enumerate(helpers, start=1)]
         try:
-            own = self.upload_slice(step, 0, writers, slicer.pieces(0), mine, tag)
+            own = self.upload_slice(step, 0, writers, plan.pieces[0], mine, tag)
             parts = ray.get(refs, timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a failed, dead or stalled peer: the step is not committed
             for r in refs:
@@ -401,11 +443,11 @@ class NodeCheckpointer:
             raise slices.SliceError(f"a slice of step {step} was not written: {type(e).__name__}: {e}") from e
         manifest = {k: v for k, v in m0.items()
                     if k not in ("format", "step", "time", "bytes", "roots", "shards", "tensors", SEAL)}
-        manifest.update(slicing={"writers": writers, "align": slices.ALIGN, "by": "nodes"}, split=slicer.split,
-                        source_time=m0.get("time"))
+        manifest.update(slicing={"writers": writers, "align": slices.ALIGN, "by": "nodes", "nodes": nodes},
+                        split=plan.split, source_time=m0.get("time"))
         info = write_checkpoint(self.shared, PersistJob(manifest=manifest, shards=[], arenas=[], commit=True,
                                                         clear=False, slices=[own] + parts, **base))
-        return {"bytes": info.bytes, "writers": writers}
+        return {"bytes": info.bytes, "nodes": nodes}
 
     def _drop_staging(self, step: int, tag: str) -> None:
         """Remove what a failed sliced upload of ``step`` left in the shared tier (best effort: a
@@ -532,6 +574,9 @@ class NodeCheckpointer:
         if self._shared_thread.is_alive():
             self._shared_thread.join(timeout=60)
         self.forget_workers(dead_pids)
+        from cfdist.checkpoint.checkpointer import _drop_reuse_pools
+
+        _drop_reuse_pools([*(self.local or []), *((self.shared or []) if self._shared_writer else [])])
         if remove_memory and self._mem_dir:
             shutil.rmtree(self._mem_dir, ignore_errors=True)
             try:

@@ -211,7 +211,8 @@ class Storage:
                         done[0] += mv.nbytes
 
                 try:
-                    n = direct.write_local(path, counted(), fsync=fsync, io=direct.current_mode())
+                    n = direct.write_local(path, counted(), fsync=fsync, io=direct.current_mode(),
+                                           reuse=self.path(direct.REUSE_DIR) if direct.current_reuse() else None)
                 except BaseException:
                     n = done[0]
                     raise
@@ -353,22 +354,27 @@ class Storage:
         except _backend_errors() as e:
             raise self._error("reading", rel, e) from e
 
-    def read_mapped(self, rel: str) -> memoryview:
-        """The whole of file ``rel`` as a writable buffer: on a local filesystem a private
-        copy-on-write memory map (no copy: a tmpfs file such as the memory tier's is read
-        straight from its pages; keep the file unmodified while the buffer is in use, as a
-        committed checkpoint is), elsewhere :meth:`read_bytes` in a ``bytearray``. Errors as
-        :meth:`read_bytes`."""
+    def read_private(self, rel: str) -> memoryview:
+        """The whole of file ``rel`` in a writable buffer of this process's own memory, read with
+        one copy (``readinto`` locally; elsewhere :meth:`read_bytes` in a ``bytearray``).
+
+        Restore's read. Never a memory map of the file: retention hands a deleted checkpoint's
+        files to the next persist, which writes over them in place (:meth:`retire`); tensors
+        built on a map would change under the training state, or fault (SIGBUS) once the file
+        shrank. Errors as :meth:`read_bytes`."""
         if not self.is_local:
             return memoryview(bytearray(self.read_bytes(rel)))
-        import mmap
-
         try:
-            with open(self.path(rel), "rb") as f:
+            with open(self.path(rel), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    return memoryview(bytearray())
-                return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))
+                buf = bytearray(size)
+                mv, got = memoryview(buf), 0
+                while got < size:
+                    n = f.readinto(mv[got:])
+                    if not n:
+                        break   # shrank while read: the caller's size checks report it
+                    got += n
+                return mv[:got]
         except FileNotFoundError:
             raise
         except _backend_errors() as e:
@@ -475,6 +481,22 @@ class Storage:
         st = Storage(self.url_of(rel), self.fs, self.path(rel), self.protocol)
         st.__dict__.update({k: v for k, v in self.__dict__.items() if k == "_secrets"})
         return st
+
+    def retire(self, rel: str) -> None:
+        """Delete directory ``rel`` (a deleted checkpoint's files); on a local root its files go
+        to the root's reuse pool (:func:`cfdist.storage.direct.retire_dir`) for the next persist
+        to write over. Elsewhere, or for a missing path: :meth:`remove`."""
+        if not self.is_local:
+            return self.remove(rel)
+        try:
+            direct.retire_dir(self.path(rel), self.path(direct.REUSE_DIR))
+        except OSError as e:
+            raise self._error("removing", rel, e) from e
+
+    def drop_reuse_pool(self) -> None:
+        """Delete the root's reuse pool (a Checkpointer's start and close)."""
+        if self.is_local:
+            self.remove(direct.REUSE_DIR)
 
     def remove(self, rel: str) -> None:
         """Delete a file or a directory tree; a missing path is not an error."""

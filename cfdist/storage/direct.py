@@ -23,6 +23,19 @@ Modes (local ``file://`` roots only; fsspec backends always write through fsspec
 Outside :func:`io_mode` (``None``: every other write) a local write is the plain buffered write
 it always was. The mode is a context variable, so it reaches the innermost Storage through any
 wrapper (fault injection, throttling) in the same thread. Pure ``os`` calls; Linux semantics.
+
+**Reusing the files of deleted checkpoints** (``io_mode(..., reuse=True)``, the persist path): when
+retention deletes a checkpoint from a local root, its shard files are moved into the root's
+:data:`REUSE_DIR` (:func:`retire_dir`) instead of being unlinked, and the next shard written there
+takes one of them over (:func:`take_reusable`: a rename into the staging directory) and is written
+over it in place, then truncated to its length. The disk then neither frees nor allocates the
+blocks of a checkpoint every persist: no extent allocation (O_DIRECT writes into unwritten
+extents must convert them), and no freed ranges for the journal to discard on filesystems mounted
+with ``discard``. Measured on ext4 over one virtio disk with ``discard``, 200 MB: writing a new
+file and deleting the previous one took 0.155 s, writing over the old file in place 0.105 s
+(median of 4, ``O_DIRECT``). The pool holds at most :data:`REUSE_MAX` files per root; a
+Checkpointer's start (sweep) and ``close()`` empty it, so a finished run leaves only its
+checkpoints. A file in the pool is part of no checkpoint (its step was un-committed first).
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ import errno as _errno
 import logging
 import mmap
 import os
+import shutil
 import threading
 import uuid
 
@@ -49,8 +63,14 @@ MODES = ("auto", "direct", "buffered")
 _BOUNCE = 4 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
+REUSE_DIR = ".cfdist-reuse"
+"""Directory of a local root holding the shard files of deleted checkpoints, for reuse."""
+REUSE_MAX = 16
+"""At most this many files wait in one root's pool; retiring more deletes them."""
+
 _mode: contextvars.ContextVar[str | None] = contextvars.ContextVar("cfdist_io_mode", default=None)
 _threads: contextvars.ContextVar[int] = contextvars.ContextVar("cfdist_io_threads", default=1)
+_reuse: contextvars.ContextVar[bool] = contextvars.ContextVar("cfdist_io_reuse", default=False)
 
 
 class DirectIOUnsupported(OSError):
@@ -65,22 +85,77 @@ def check_mode(io: str) -> str:
 
 
 @contextlib.contextmanager
-def io_mode(io: str | None, *, threads: int = 1):
-    """Local writes in this block (this thread) use ``io`` with ``threads`` writer threads per file."""
+def io_mode(io: str | None, *, threads: int = 1, reuse: bool = False):
+    """Local writes in this block (this thread) use ``io`` with ``threads`` writer threads per file;
+    ``reuse``: a new file takes over one of the root's retired files when there is one."""
     if io is not None:
         check_mode(io)
     if not (isinstance(threads, int) and threads >= 1):
         raise ValueError(f"io threads must be an int >= 1, got {threads!r}")
-    t1, t2 = _mode.set(io), _threads.set(threads)
+    t1, t2, t3 = _mode.set(io), _threads.set(threads), _reuse.set(bool(reuse))
     try:
         yield
     finally:
         _mode.reset(t1)
         _threads.reset(t2)
+        _reuse.reset(t3)
 
 
 def current_mode() -> str | None:
     return _mode.get()
+
+
+def current_reuse() -> bool:
+    return _reuse.get()
+
+
+# ---- the files of deleted checkpoints, written over by new ones -----------------------------------
+
+def retire_dir(directory: str, pool: str, *, limit: int = REUSE_MAX) -> int:
+    """Remove ``directory`` (a tree), moving its regular files into ``pool`` (same filesystem)
+    while the pool holds fewer than ``limit``; the rest is deleted. Returns the files moved.
+    A missing ``directory`` is not an error."""
+    moved = 0
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return 0
+    try:
+        room = limit - len(os.listdir(pool))
+    except FileNotFoundError:
+        room = limit
+    for name in names:
+        src = os.path.join(directory, name)
+        if room <= 0 or not os.path.isfile(src) or os.path.islink(src):
+            continue
+        os.makedirs(pool, exist_ok=True)
+        try:
+            os.rename(src, os.path.join(pool, f"{name}.{uuid.uuid4().hex[:8]}"))
+        except FileNotFoundError:
+            continue
+        moved += 1
+        room -= 1
+    if os.path.isdir(directory) and not os.path.islink(directory):
+        shutil.rmtree(directory)
+    return moved
+
+
+def take_reusable(pool: str, path: str) -> bool:
+    """Move one file of ``pool`` to ``path`` (which must not exist); True when one was taken.
+    A file retired under the same name (the same shard of an older step) is preferred: its
+    length is likely the same. Writers racing for one file: each gets another, or none."""
+    try:
+        names = os.listdir(pool)
+    except FileNotFoundError:
+        return False
+    base = os.path.basename(path) + "."
+    for name in sorted(names, key=lambda n: (not n.startswith(base), n)):
+        try:
+            os.rename(os.path.join(pool, name), path)
+            return True
+        except FileNotFoundError:
+            continue   # another writer took it
+    return False
 
 
 # ---- which filesystems take O_DIRECT ------------------------------------------------------------
@@ -221,12 +296,18 @@ def write_direct(fd: int, chunks, *, threads: int = 1) -> int:
         bounce.close()
 
 
-def write_local(path: str, chunks, *, fsync: bool, io: str | None, threads: int | None = None) -> int:
+def write_local(path: str, chunks, *, fsync: bool, io: str | None, threads: int | None = None,
+                reuse: str | None = None) -> int:
     """Write ``chunks`` to the local file ``path`` (created or truncated) in mode ``io``
-    (``None``: plain buffered, no cache advice). Returns the byte count. Raises ``OSError``."""
+    (``None``: plain buffered, no cache advice). Returns the byte count. Raises ``OSError``.
+
+    ``reuse``: a pool directory (:data:`REUSE_DIR`); when it holds a file, that file becomes
+    ``path`` and is written over in place, then truncated to the byte count."""
     mode = "plain" if io is None else resolve(io, os.path.dirname(path) or ".")
     threads = threads or _threads.get()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if mode == "direct" else 0)
+    reused = reuse is not None and not os.path.exists(path) and take_reusable(reuse, path)
+    flags = (os.O_WRONLY | os.O_CREAT | (0 if reused else os.O_TRUNC)
+             | (_O_DIRECT if mode == "direct" else 0))
     fd = os.open(path, flags, 0o644)
     try:
         if mode == "direct":
@@ -239,6 +320,8 @@ def write_local(path: str, chunks, *, fsync: bool, io: str | None, threads: int 
                     w = os.write(fd, mv)
                     n += w
                     mv = mv[w:]
+        if reused and os.fstat(fd).st_size != n:
+            os.ftruncate(fd, n)   # the old file was longer
         if fsync:
             os.fsync(fd)
         if mode == "buffered" and hasattr(os, "posix_fadvise"):
@@ -247,9 +330,11 @@ def write_local(path: str, chunks, *, fsync: bool, io: str | None, threads: int 
     finally:
         os.close(fd)
     last_mode.value = mode
+    last_mode.reused = reused
     return n
 
 
 last_mode = threading.local()
 """``last_mode.value``: the mode of this thread's last :func:`write_local` (``direct``,
-``buffered`` or ``plain``), for callers that report it."""
+``buffered`` or ``plain``), for callers that report it; ``last_mode.reused``: whether it wrote
+over a retired file."""

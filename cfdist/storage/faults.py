@@ -95,7 +95,7 @@ class StorageWrapper(Storage):
         self._before("read_bytes", rel)
         return self.inner.read_bytes(rel, start, end)
 
-    def read_mapped(self, rel: str) -> memoryview:
+    def read_private(self, rel: str) -> memoryview:
         return memoryview(bytearray(self.read_bytes(rel)))   # through read_bytes: wrappers apply
 
     def open_read(self, rel: str):
@@ -117,6 +117,13 @@ class StorageWrapper(Storage):
     def remove(self, rel: str) -> None:
         self._before("remove", rel)
         self.inner.remove(rel)
+
+    def retire(self, rel: str) -> None:
+        self._before("remove", rel)
+        self.inner.retire(rel)
+
+    def drop_reuse_pool(self) -> None:
+        self.inner.drop_reuse_pool()
 
 
 # ---- slow disks ---------------------------------------------------------------------------------

@@ -357,3 +357,145 @@ def test_sliced_and_double_buffered_checkpoints_commit_every_step_in_order(tmp_p
     for step in range(1, 7):
         got = cfdist.load(urls, step=step)["state"]["model"]
         assert all(torch.equal(got[k], v) for k, v in at[step].items()), step
+
+
+# ---- the shapes users train: BatchNorm, per-rank dropout, a scheduler, AMP; SIGKILL; resume ---------
+
+RESUME_TOTAL, RESUME_EVERY, RESUME_DIE = 14, 3, 10
+
+
+def _amp_setup(rank):
+    """DDP over BatchNorm + dropout, AdamW, an LR schedule, a CPU GradScaler; per-rank RNG seeds."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)   # the same initial weights everywhere
+    m = torch.nn.Sequential(torch.nn.Linear(64, 200), torch.nn.BatchNorm1d(200), torch.nn.ReLU(),
+                            torch.nn.Dropout(0.3), torch.nn.Linear(200, 64))
+    # find_unused_parameters=True keeps DDP's construction-time bucket layout (see test_rank_rng.py)
+    ddp = DDP(m, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    # growth every 2 steps: the scale itself changes between checkpoints
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    torch.manual_seed(10 + rank)
+    np.random.seed(20 + rank)
+    random.seed(30 + rank)
+    return ddp, opt, sched, scaler
+
+
+def _amp_train(ddp, opt, sched, scaler, ckpt, rank, start, until, die=None):
+    import random
+
+    import numpy as np
+
+    for i in range(start, until):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * i + rank))
+        x = x + 0.1 * torch.randn(8, 64) + float(np.random.randn()) + random.random()   # every RNG stream
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            loss = ddp(x).float().square().mean()   # dropout draws from this rank's torch stream
+        scaler.scale(loss).backward()
+        if ckpt is None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            ckpt.step(opt, scaler=scaler)
+        opt.zero_grad()
+        sched.step()
+        if die is not None and i + 1 == die:
+            os.kill(os.getpid(), signal.SIGKILL)   # a checkpoint may be persisting right now
+
+
+def _amp_final(ddp, opt, sched, scaler) -> dict:
+    import random
+
+    import numpy as np
+
+    return {"model": {k: v.clone() for k, v in ddp.module.state_dict().items()},
+            "optim": copy.deepcopy(opt.state_dict()), "sched": sched.state_dict(), "scaler": scaler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": torch.from_numpy(np.random.get_state()[1].copy()),
+                    "python": list(random.getstate()[1])}}
+
+
+def _amp_worker(rank, world, store_path, url, out, phase):
+    _init(rank, world, store_path)
+    torch.use_deterministic_algorithms(True)
+    try:
+        if phase == 1:
+            state = _amp_setup(rank)   # the uninterrupted run, no cfdist
+            _amp_train(*state, None, rank, 0, RESUME_TOTAL)
+            torch.save(_amp_final(*state), os.path.join(out, f"ref-rank{rank}.pt"))
+            dist.barrier()
+            ddp, opt, sched, scaler = _amp_setup(rank)
+            ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt, "sched": sched, "scaler": scaler}, url,
+                                       cfdist.Every(RESUME_EVERY), writers="all", agree_timeout_s=60)
+            _amp_train(ddp, opt, sched, scaler, ckpt, rank, 0, RESUME_TOTAL, die=RESUME_DIE if rank == 1 else None)
+            raise AssertionError("rank 1 was killed: its peers must have been terminated by the launcher")
+        ddp, opt, sched, scaler = _amp_setup(rank)
+        torch.manual_seed(999 + rank)   # a new process's own seeds: the restore must replace them
+        ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt, "sched": sched, "scaler": scaler}, url,
+                                   cfdist.Every(RESUME_EVERY), writers="all", agree_timeout_s=60)
+        start = ckpt.restore()
+        with open(os.path.join(out, f"restored-rank{rank}.json"), "w") as f:
+            json.dump({"restored": start}, f)
+        _amp_train(ddp, opt, sched, scaler, ckpt, rank, start, RESUME_TOTAL)
+        ckpt.close()
+        torch.save(_amp_final(ddp, opt, sched, scaler), os.path.join(out, f"final-rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_equal_state(got, want, where):
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for k in want:
+            _assert_equal_state(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_equal_state(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, (where, got, want)
+
+
+def test_sliced_checkpoints_of_an_amp_batchnorm_dropout_run_resume_bit_identical_after_a_sigkill(tmp_path):
+    """Real: 3 spawned gloo ranks with deterministic algorithms, DDP over Linear + BatchNorm1d +
+    dropout (each rank seeds torch, numpy and python differently and draws from all three every
+    step), AdamW, an ``ExponentialLR`` stepped after ``ckpt.step``, bfloat16 autocast on the CPU
+    with a CPU ``torch.amp.GradScaler`` (growth every 2 steps, so its scale changes between
+    checkpoints), ``writers="all"`` with ``Every(3)`` to a ``file://`` directory, a SIGKILL
+    that rank 1 sends itself right after step 10 (its slice or rank 0's commit of step 9 may
+    be in flight), and the launcher terminating the other ranks (as torchrun does).
+    Faked: nothing; the reference is the same program with ``scaler.step(opt)`` and no cfdist,
+    run in the same processes first.
+    The point: restarted ranks restore a sliced checkpoint written by all three (it holds rank
+    0's BatchNorm statistics, the others' forwards overwrite theirs from rank 0's at the next
+    step, as DDP broadcasts them), train to step 14 and end with the uninterrupted run's
+    parameters, BatchNorm buffers, AdamW state, param groups, scheduler, scaler and RNG states
+    (torch, numpy, python), bit for bit, on every rank."""
+    world = 3
+    url = f"file://{tmp_path / 'ckpt'}"
+    with pytest.raises(mp.ProcessExitedException) as died:
+        mp.start_processes(_amp_worker, args=(world, str(tmp_path / "store1"), url, str(tmp_path), 1),
+                           nprocs=world, start_method="spawn", join=True)
+    assert died.value.error_index == 1 and died.value.exit_code == -signal.SIGKILL, died.value
+    committed = [c["step"] for c in cfdist.list_checkpoints(url)]
+    assert committed and committed[-1] in (6, 9), committed
+    m = json.loads((tmp_path / "ckpt" / f"step-{committed[-1]:09d}" / "MANIFEST.json").read_text())
+    assert m["slicing"]["writers"] == world and {s["writer"] for s in m["shards"]} == set(range(world))
+    assert m["split"], "the model is meant to have a tensor cut between writers"
+
+    mp.start_processes(_amp_worker, args=(world, str(tmp_path / "store2"), url, str(tmp_path), 2),
+                       nprocs=world, start_method="spawn", join=True)
+    for r in range(world):
+        assert json.loads((tmp_path / f"restored-rank{r}.json").read_text())["restored"] == committed[-1]
+        want = torch.load(tmp_path / f"ref-rank{r}.pt", weights_only=False)
+        got = torch.load(tmp_path / f"final-rank{r}.pt", weights_only=False)
+        _assert_equal_state(got, want, f"rank {r}")
+    finals = [torch.load(tmp_path / f"final-rank{r}.pt", weights_only=False) for r in range(world)]
+    assert not torch.equal(finals[0]["model"]["1.running_mean"], finals[1]["model"]["1.running_mean"])
+    assert not torch.equal(finals[0]["rng"]["torch"], finals[1]["rng"]["torch"])

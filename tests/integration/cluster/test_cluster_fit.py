@@ -41,12 +41,12 @@ STEPS = 24          # 3 epochs of 8 steps with 2 ranks
 EVERY = 4
 
 
-def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, **kw):
+def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s)
     result = fit(loop,
-                 num_nodes=2, workers_per_node=1, storage=f"file://{tmp}/{{node}}/local",
+                 num_nodes=num_nodes, workers_per_node=1, storage=f"file://{tmp}/{{node}}/local",
                  policy=Every(EVERY), preemption=schedule, run_name=name, progress=False,
                  event_log=str(tmp / f"{name}.jsonl"), max_failures=3, **kw)
     return result, out
@@ -347,6 +347,35 @@ def test_shared_upload_is_sliced_between_the_node_actors(fake_cluster, tmp_path)
     assert EVERY in {r["step"] for r in commits}
 
 
+@pytest.mark.heavy
+def test_three_node_fit_with_shared_writers_2_uploads_each_shared_step_from_two_nodes(fake_cluster, tmp_path):
+    """``cfdist.fit`` on 3 fake nodes with a shared tier at every checkpoint and
+    ``shared_writers=2`` (real: Ray, 3 rank processes, gloo, node actors, files). The points:
+    every sliced shared commit in the event log was written by exactly 2 distinct nodes of the
+    group (``writers``, ``writer_nodes``); the final shared checkpoint's manifest names the
+    same 2 nodes, has shards of writers 0 and 1 only, and loads bit-exact equal to node 0's
+    node-local copy and to the run's final parameters; every sample once per epoch."""
+    fake_cluster.ensure_workers(3)
+    result, out = _fit(fake_cluster, tmp_path, "sw2", num_nodes=3, shared_storage=f"file://{tmp_path}/shared",
+                       shared_every=1, shared_writers=2)
+    assert result.failures == 0 and result.final_step == STEPS
+    check_exactly_once(str(out), STEPS)
+    names = {fake_cluster.names[nid] for nid in fake_cluster.nodes}
+    commits = [r for r in _records(tmp_path / "sw2.jsonl") if r.get("event") == "checkpoint_committed"
+               and r.get("tier") == "shared"]
+    sliced = [r for r in commits if r["writers"] > 1]
+    assert sliced and all(r["writers"] == 2 and len(set(r["writer_nodes"])) == 2 and set(r["writer_nodes"]) <= names
+                          for r in sliced), commits
+    m, tensors = _loaded(f"file://{tmp_path}/shared/sw2", STEPS)
+    assert m["slicing"]["writers"] == 2 and len(set(m["slicing"]["nodes"])) == 2 and set(m["slicing"]["nodes"]) <= names
+    assert sorted({sh["writer"] for sh in m["shards"]}) == [0, 1]
+    node0 = m["slicing"]["nodes"][0]
+    _, local = _loaded(f"file://{tmp_path}/{node0}/local/sw2", STEPS)
+    assert local.keys() == tensors.keys() and all(torch.equal(local[k], tensors[k]) for k in local)
+    _assert_same(load(f"file://{tmp_path}/shared/sw2")["state"]["model"],
+                 {"module." + k: v for k, v in result.value.items()})
+
+
 def _bn_state():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 256))
@@ -468,3 +497,76 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
             ck.close()
         ray.get(a.close.remote())
         ray.kill(a)
+
+
+def test_shared_writers_n_uploads_from_exactly_n_nodes(fake_cluster, tmp_path):
+    """Three NodeCheckpointer actors (Ray actors on the fake cluster) with
+    ``shared_writers=2``, whose node-local tiers hold the same steps written by real
+    Checkpointers (node C's with other BatchNorm statistics, as a replica's would be). Faked:
+    the training (three Checkpointers on the driver stand in for the nodes' writer ranks).
+
+    1. node A (node 0) flushes step 2: the shared checkpoint has exactly 2 writers, A and B
+       (the manifest's ``slicing.nodes``, its shards' ``writer`` fields, the actors' own
+       ``shared_slice_written`` events: none from C), and loads bit-exact equal to A's copy;
+    2. B's tier lacks step 3 (its writer stopped at step 2): the helper is C, the next node
+       holding it; C's different BatchNorm statistics are A's, written by A; bit-exact again.
+    """
+    from cfdist.checkpoint.discovery import is_committed
+    from cfdist.cluster.config import FitConfig
+    from cfdist.cluster.node_actor import NodeCheckpointer
+    from cfdist.storage import open_storages
+
+    states = {n: _bn_state() for n in "ABC"}
+    cks = {n: cfdist.Checkpointer({"model": m, "optim": o}, f"file://{tmp_path}/{n}/r", cfdist.Every(1), keep=5)
+           for n, (m, o) in states.items()}
+
+    def step(i, nodes):
+        for n in nodes:
+            m, o = states[n]
+            m(torch.randn(16, 256, generator=torch.Generator().manual_seed(i))).square().mean().backward()
+            if n == "C":
+                m[1].running_mean.add_(1.0)   # another replica's statistics; parameters stay equal
+            cks[n].step(o)
+            o.zero_grad()
+            cks[n].wait()
+
+    for i in range(2):
+        step(i, "ABC")
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", shared_storage=f"file://{tmp_path}/shared",
+                    run_name="r", memory_tier=False, shared_every=1, keep=5, shared_slice_timeout_s=60,
+                    shared_writers=2)
+    remote = ray.remote(NodeCheckpointer)
+    a, b, c = (remote.options(num_cpus=0).remote(config=cfg, run_id="sw", node_id=n * 16, node_name=n) for n in "ABC")
+    shared = f"file://{tmp_path}/shared/r"
+    try:
+        ray.get([a.begin_attempt.remote(1, shared_writer=True, peers=[b, c]),
+                 b.begin_attempt.remote(1, shared_writer=False), c.begin_attempt.remote(1, shared_writer=False)])
+        assert ray.get(a.flush_shared.remote(2)) == 2
+        sm, st = _loaded(shared, 2)
+        assert sm["slicing"]["writers"] == 2 and sm["slicing"]["nodes"] == ["A", "B"]
+        assert sorted({sh["writer"] for sh in sm["shards"]}) == [0, 1] and sm["split"]
+        events = {n: ray.get(x.drain_events.remote()) for n, x in zip("ABC", (a, b, c))}
+        wrote = {n: [e["writer"] for e in evs if e["event"] == "shared_slice_written" and e["step"] == 2]
+                 for n, evs in events.items()}
+        assert wrote == {"A": [0], "B": [1], "C": []}, wrote
+        (commit,) = [e for e in events["A"] if e["event"] == "checkpoint_committed" and e["tier"] == "shared"]
+        assert commit["writers"] == 2 and commit["nodes"] == ["A", "B"]
+        at = _loaded(f"file://{tmp_path}/A/r", 2)[1]
+        assert at.keys() == st.keys() and all(torch.equal(at[k], st[k]) for k in at)
+
+        cks["B"].close()
+        step(2, "AC")
+        assert ray.get(a.flush_shared.remote(3)) == 3
+        sm3, st3 = _loaded(shared, 3)
+        assert sm3["slicing"]["nodes"] == ["A", "C"] and sorted({sh["writer"] for sh in sm3["shards"]}) == [0, 1]
+        bn = [k for k in sm3["tensors"] if "running_mean" in k]
+        assert bn and all(sm3["shards"][sm3["tensors"][k]["shard"]]["writer"] == 0 for k in bn)
+        at3 = _loaded(f"file://{tmp_path}/A/r", 3)[1]
+        assert at3.keys() == st3.keys() and all(torch.equal(at3[k], st3[k]) for k in at3)
+        assert is_committed(open_storages(shared)[0], 2)
+    finally:
+        for ck in cks.values():
+            ck.close()
+        ray.get([x.close.remote() for x in (a, b, c)])
+        for x in (a, b, c):
+            ray.kill(x)

@@ -4,6 +4,7 @@ stay plain safetensors files (a 4 KiB-aligned data section for O_DIRECT), restor
 from __future__ import annotations
 
 import glob
+import os
 import struct
 
 import pytest
@@ -57,3 +58,39 @@ def test_bad_io_values_are_refused(tmp_path):
         cfdist.Checkpointer({"model": m}, "memory://io-direct-refused", io="direct")
     with pytest.raises(ValueError, match="buffers must be an int in"):
         cfdist.Checkpointer({"model": m}, f"file://{tmp_path}/b", buffers=0)
+
+
+def test_deleted_checkpoints_files_are_written_over_and_the_pool_goes_at_close(tmp_path):
+    """keep=1 at every step: from the third step on each shard is written over the file of the step
+    retention deleted (the same inode), every checkpoint restores bit-exact, and close() leaves
+    the checkpoints only. A pool left by a crashed run is emptied by the next start."""
+    url = f"file://{tmp_path}/run"
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.BatchNorm1d(33), torch.nn.Linear(33, 5))
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, url, cfdist.Every(1), keep=1)
+    inodes, states = [], {}
+    for step in range(1, 6):
+        m(torch.randn(4, 7)).sum().backward()
+        ck.step(opt)
+        opt.zero_grad()
+        ck.wait()
+        (shard,) = glob.glob(f"{tmp_path}/run/step-{step:09d}/shard-*.safetensors")
+        inodes.append(os.stat(shard).st_ino)
+        states[step] = {k: v.clone() for k, v in m.state_dict().items()}
+        got = cfdist.load(url, step=step)["state"]["model"]   # verifies every checksum
+        assert all(torch.equal(got[k], v) for k, v in states[step].items())
+    assert ck.stats["files_reused"] == 3
+    assert inodes[2] == inodes[0] and inodes[3] == inodes[1] and inodes[4] == inodes[2]
+    assert os.path.isdir(f"{tmp_path}/run/{direct.REUSE_DIR}")
+    ck.close()
+    assert not os.path.exists(f"{tmp_path}/run/{direct.REUSE_DIR}")
+    assert [n for n in os.listdir(f"{tmp_path}/run") if n.startswith("step-")] == ["step-000000005"]
+    # a crashed run's pool: swept at the next start, which restores the newest step
+    os.makedirs(f"{tmp_path}/run/{direct.REUSE_DIR}")
+    with open(f"{tmp_path}/run/{direct.REUSE_DIR}/shard-0-of-1.safetensors.x", "wb") as f:
+        f.write(b"junk")
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, url, cfdist.Every(1), keep=1)
+    assert not os.path.exists(f"{tmp_path}/run/{direct.REUSE_DIR}")
+    assert ck.restore() == 5
+    ck.close()
