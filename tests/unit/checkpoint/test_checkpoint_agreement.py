@@ -152,3 +152,34 @@ def test_a_storage_error_on_one_rank_stops_every_rank_instead_of_rolling_back():
     assert isinstance(out[1], StorageUnavailable)
     assert isinstance(out[0], CheckpointError) and "rank 1 cannot restore step 40" in str(out[0])
     assert tried == {0: [40], 1: [40]}
+
+
+def test_a_thread_waiting_on_the_store_does_not_block_another_threads_add():
+    """Real TCPStore on loopback, one client shared by two threads as in a rank (the RNG exchange
+    or the sliced commit waits on a background thread while the training thread agrees on the
+    next step). The waiter must not hold the client: the training thread's ``add`` returns while
+    the waiter still waits, and the waiter then gets its key. (A blocking ``store.wait`` held the
+    connection: ``add`` waited until the wait timed out, which in a job deadlocked a rank whose
+    peer waited for it in a collective.)"""
+    import threading
+    import time
+
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, 2, False)
+    ch = Channel(client, rank=1, world_size=2, timeout_s=20)
+    peer = Channel(server, rank=0, world_size=2, timeout_s=20)
+    started, got = threading.Event(), []
+
+    def waiter():
+        started.set()
+        got.append(ch.get_all(["rng/0"], what="rank 0's RNG state", fix="-"))
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    started.wait()
+    time.sleep(0.2)   # the waiter is inside get_all (ordering only; nothing timed is asserted)
+    assert ch.add("agree/step", 1) == 1
+    assert t.is_alive() and got == []   # the add did not wait for the waiter's key or its timeout
+    peer.set("rng/0", b"state")
+    t.join(timeout=20)
+    assert got == [[b"state"]]
