@@ -345,8 +345,12 @@ class Checkpointer:
         loader = self._loader()
         device = "cuda" if any(isinstance(o, torch.nn.Module) and any(p.is_cuda for p in o.parameters())
                                for o in self.state.values()) else "cpu"
-        hist = self._read_json(HISTORY) or {}
-        self._bound_at = time.time()
+        # rank 0's files decide for every rank: each rank reads its own storages[0] (a node's
+        # local tier, a memory tier a preemption emptied), and ranks that bound their policies
+        # to different profiles or histories took checkpoints at different steps, then waited
+        # for each other's RNG states for ever
+        shared = self._from_rank0("history", lambda: {"history": self._read_json(HISTORY), "now": time.time()})
+        hist, self._bound_at = shared["history"] or {}, shared["now"]
         ctx = pb.PolicyContext(
             rank=self.rank, world_size=self.world_size, state_bytes=nbytes, device=device,
             batch_size=getattr(loader, "batch_size", None),
@@ -356,10 +360,23 @@ class Checkpointer:
             buffers=self.config.buffers,
         )
         self._profile_name = f"profile-{pb.profile_key(ctx)}.json"
-        cached = self._read_json(self._profile_name)
+        cached = self._from_rank0("profile", lambda: self._read_json(self._profile_name))
         if cached is not None:
             ctx = pb.PolicyContext(**{**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__}, "cached_profile": cached})
         self.policy.bind(ctx)
+
+    def _from_rank0(self, what: str, read):
+        """``read()`` on rank 0, and the same (JSON) value on every other rank, through the
+        agreement channel; ``read()`` itself in one process."""
+        if self._channel is None:
+            return read()
+        if self.rank == 0:
+            value = read()
+            self._channel.set(f"bind/{what}", json.dumps(value).encode())
+            return value
+        raw, = self._channel.get_all([f"bind/{what}"], what=f"rank 0's {what} file (the policy's inputs)",
+                                     fix="every rank must build its Checkpointer (rank 0 may have died or stalled)")
+        return json.loads(raw)
 
     def _read_json(self, rel: str) -> dict | None:
         try:

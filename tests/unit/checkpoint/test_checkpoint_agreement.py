@@ -183,3 +183,35 @@ def test_a_thread_waiting_on_the_store_does_not_block_another_threads_add():
     peer.set("rng/0", b"state")
     t.join(timeout=20)
     assert got == [[b"state"]]
+
+
+def test_every_rank_binds_its_policy_to_rank_0s_history_and_profile(tmp_path):
+    """Real: two Checkpointers (ranks 0 and 1, built on two threads) over a HashStore, each with
+    its own ``file://`` root, as two nodes' tiers are. Only rank 0's root holds a history (a
+    preemption emptied the other node's memory tier). Both Auto policies must be bound to rank
+    0's: the same MTBF estimate, hence the same checkpoint steps. (Each rank read its own root:
+    rank 1 had no MTBF, chose another k, and the ranks waited for each other's RNG states.)"""
+    import json
+    import threading
+    import time
+
+    now = time.time()
+    (tmp_path / "r0").mkdir()
+    (tmp_path / "r0" / "history.json").write_text(json.dumps({"started": now - 100, "restarts": [{"time": now - 50}]}))
+    store, out = dist.HashStore(), {}
+
+    def build(rank):
+        model = torch.nn.Linear(4, 4)
+        pol = cfdist.Auto()
+        ck = cfdist.Checkpointer({"model": model}, f"file://{tmp_path}/r{rank}", pol, rank=rank, world_size=2,
+                                 store=store, writer=True)
+        out[rank] = (ck, pol)
+
+    ts = [threading.Thread(target=build, args=(r,)) for r in (1, 0)]
+    [t.start() for t in ts]
+    [t.join(timeout=30) for t in ts]
+    (ck0, p0), (ck1, p1) = out[0], out[1]
+    assert p0.mtbf_s is not None and p0.mtbf_source == "history"
+    assert (p1.mtbf_s, p1.mtbf_source) == (p0.mtbf_s, p0.mtbf_source)
+    for ck in (ck0, ck1):
+        ck.abandon()
