@@ -274,8 +274,11 @@ def markdown(res: dict) -> str:
            *([res["note"], ""] if res.get("note") else []),
            "Figures are MB/s, median [min, max] over interleaved rounds; a ratio is the median over rounds of "
            "(that round's throughput / the reference's in the same round). `persist` = "
-           "`write_checkpoint` of a snapshot already in its arenas: shard files, per-tensor xxh3, fsync, "
-           "manifest, atomic commit, the LATEST hint and retention, timed around the call.", ""]
+           "`write_checkpoint` of a snapshot taken right before it (untimed, as in training): shard files, "
+           "per-tensor xxh3 (on a thread beside the writes), fsync, manifest, atomic commit, the LATEST hint "
+           "and retention (`keep=1`: the previous step is retired and its files written over by the next "
+           "persist), timed around the call. `raw` writes a new file of the same bytes and fsyncs it (its "
+           "delete, after the timing, is not counted).", ""]
     for mb, d in res["sizes"].items():
         n = d["bytes"]
         out += [f"## {mb} MB", "", "| what | MB/s | / raw buffered | / raw direct | CPU s per GB |",
