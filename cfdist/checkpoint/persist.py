@@ -227,23 +227,21 @@ class CommitGate:
 
     def claimed_for_commit(self) -> bool:
         """Whether the writer claimed the gate to commit (it may have died right after)."""
-        if self.path is None:
-            return self._owner == self.COMMIT
-        try:
-            with open(self.path) as f:
-                return f.read() == self.COMMIT
-        except FileNotFoundError:
-            return False
+        return self._owner_now() == self.COMMIT
 
     def abandoned(self) -> bool:
         """Whether the waiter gave up already (a hint for the writer; :meth:`claim` decides)."""
+        return self._owner_now() == self.ABANDON
+
+    def _owner_now(self) -> str | None:
+        """Who took the gate so far (None: nobody yet)."""
         if self.path is None:
-            return self._owner == self.ABANDON
+            return self._owner
         try:
             with open(self.path) as f:
-                return f.read() == self.ABANDON
+                return f.read()
         except FileNotFoundError:
-            return False
+            return None
 
     def close(self) -> None:
         if self.path is not None:
