@@ -234,8 +234,6 @@ class Tuner:
             # no step of the window was free of checkpoint work: the interval is too short to
             # measure what a checkpoint costs; double it until it is not
             want = 2 * k
-            if want <= 1.1 * k:
-                want = k + 1
         if self._wait_seen is not None:
             kw, ts = self._wait_seen
             if self.Ts < 0.8 * ts:
