@@ -13,9 +13,9 @@ never a collective on the training group and never the gradients (invariant 4):
   ``L`` to ``2L`` steps after rank 0 made it, at the same step on every rank, rank 0 included.
   Save requests (:meth:`Frequency.request_save`, any rank) travel the same way.
 * :class:`RngExchange` -- each rank's RNG states at a checkpoint step, for the writers: every
-  rank sets ``rng/<step>/<rank>`` at the boundary instant; each writer collects all of them on a
-  background thread (:class:`GatherRngBackend`) before its persist starts; the last writer to
-  read a step's keys deletes them.
+  rank sets ``rng/<step>/<rank>`` at the boundary instant; each writer collects all of them as
+  the first stage of its persist pipeline (:mod:`cfdist.checkpoint.pipeline`); the last writer
+  to read a step's keys deletes them.
 * :func:`agree_restore` -- once per start: every rank publishes which committed steps it can list,
   every rank tries the newest step any of them holds, they exchange the outcome, ranks that lack
   it (or hold a corrupted copy) get it from a rank that loaded it (:mod:`cfdist.checkpoint.peer`,
@@ -35,7 +35,6 @@ training thread share one. Without torch.distributed (one process) no store is n
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import logging
 import time
@@ -88,9 +87,21 @@ class Channel:
         for rel in rels:
             self.store.delete_key(self.key(rel))
 
-    def get_all(self, rels: list[str], *, what: str, fix: str) -> list[bytes]:
+    def compare_set(self, rel: str, expected: str, desired: str) -> bytes:
+        """Set ``rel`` to ``desired`` if unset (``expected == ""``) or equal to ``expected``;
+        the value it holds afterwards. Atomic in the store."""
+        return self.store.compare_set(self.key(rel), expected, desired)
+
+    def peek(self, rel: str) -> bytes | None:
+        """The value of ``rel`` now, or None when unset (never waits)."""
+        k = self.key(rel)
+        return self.store.get(k) if self.store.check([k]) else None
+
+    def get_all(self, rels: list[str], *, what: str, fix: str,
+                interrupt: Callable[[], None] | None = None) -> list[bytes]:
         """Wait (up to the timeout) for every key, then read them; ``AgreementError`` names
-        the keys still missing, what they were for and how to fix it."""
+        the keys still missing, what they were for and how to fix it. ``interrupt()`` is
+        called between polls and may raise to stop waiting (a persist given up)."""
         keys = [self.key(r) for r in rels]
         t0 = time.perf_counter()
         pause, why = _POLL_FIRST_S, "timed out"
@@ -103,6 +114,8 @@ class Channel:
             while not self.store.check(keys):
                 if time.perf_counter() - t0 >= self.timeout_s:
                     break
+                if interrupt is not None:
+                    interrupt()
                 time.sleep(pause)
                 pause = min(pause * 2, _POLL_MAX_S)
             else:
@@ -203,46 +216,20 @@ class RngExchange:
         """This rank's RNG (flattened, JSON-able) at the boundary of ``step``. Training thread."""
         self.ch.set(f"rng/{step}/{self.ch.rank}", json.dumps(rng).encode())
 
-    def collect(self, step: int, own: dict) -> list[dict]:
+    def collect(self, step: int, own: dict, interrupt: Callable[[], None] | None = None) -> list[dict]:
         """Every rank's RNG at ``step`` (``own`` for this rank), in rank order. Blocking: call
-        from a background thread. The last writer to collect a step deletes its keys."""
+        from a background thread (the persist pipeline's first stage); ``interrupt`` as for
+        :meth:`Channel.get_all`. The last writer to collect a step deletes its keys."""
         ranks = [r for r in range(self.ch.world_size) if r != self.ch.rank]
         raws = self.ch.get_all([f"rng/{step}/{r}" for r in ranks], what=f"the RNG states of step {step}",
                                fix="every rank must take the same checkpoints: call ckpt.save() on "
-                                   "every rank at the same step, or ckpt.request_save() on any rank")
+                                   "every rank at the same step, or ckpt.request_save() on any rank",
+                               interrupt=interrupt)
         out = dict(zip(ranks, (json.loads(r) for r in raws)))
         out[self.ch.rank] = own
         if self.ch.add(f"rng/{step}/read", 1) >= self.ch.add("writers", 0):
             self.ch.delete([f"rng/{step}/{r}" for r in range(self.ch.world_size)] + [f"rng/{step}/read"])
         return [out[r] for r in range(self.ch.world_size)]
-
-
-class GatherRngBackend:
-    """A persist backend that first collects every rank's RNG into the job's manifest.
-
-    Wraps the writer's real backend: ``submit`` returns at once; a background thread collects
-    the RNG states (``manifest["rngs"]``, one per rank), then hands the job to the inner backend.
-    A collection timeout fails that persist (nothing is committed without every rank's RNG).
-    """
-
-    def __init__(self, inner, exchange: RngExchange):
-        from cfdist.checkpoint.persist import FuturePending
-
-        self.inner, self.exchange, self._pending = inner, exchange, FuturePending
-        self.needs_shared_memory = inner.needs_shared_memory
-        self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-rng")
-
-    def _run(self, job):
-        rngs = self.exchange.collect(job.step, job.manifest["rng"])
-        job.manifest["rngs"], job.manifest["rng"] = rngs, rngs[0]
-        return self.inner.submit(job).wait()
-
-    def submit(self, job):
-        return self._pending(self._ex.submit(self._run, job), job.step)
-
-    def close(self) -> None:
-        self._ex.shutdown(wait=True)
-        self.inner.close()
 
 
 def agree_restore(channel: Channel | None, *, held: list[int], want: int | None,

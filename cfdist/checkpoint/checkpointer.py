@@ -37,8 +37,10 @@ from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import (
-    OrderedBackend, PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend, declare_timeout,
+    PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend,
 )
+from cfdist.checkpoint.pipeline import PersistPipeline
+from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement
@@ -71,8 +73,10 @@ class CheckpointerConfig:
     failed (``stats``, log, ``wait()``), its writer can no longer commit it, training goes on,
     and the next checkpoint is written by a fresh writer into fresh snapshot buffers (the hung
     writer keeps the old ones: one state's size of host memory per hung write). None: wait
-    forever. Applies to the ``"thread"`` and ``"process"`` backends with one writer (with
-    ``writers="all"``/N rank 0 gives a step up when a slice is missing after ``agree_timeout_s``)."""
+    forever. Holds on any world size, with any ``writers`` and ``buffers`` and on every backend
+    (thread, process, node actor): a sliced step that one writer gives up is given up by every
+    writer, and rank 0 can no longer commit it (:mod:`cfdist.checkpoint.slice_commit`). The
+    timeout counts from when the persist starts (not while it waits behind an earlier one)."""
     read_retry: RetryPolicy = RetryPolicy()
     """How storage errors while listing or reading checkpoints are retried before restore raises
     (they never make it fall back to an older checkpoint; see :mod:`cfdist.checkpoint.retry`)."""
@@ -230,29 +234,22 @@ class Checkpointer:
                                             if backend == "process" else ThreadBackend(self.storages))
         else:
             self.backend = backend
-            if persist_timeout_s is not None and not isinstance(backend, (ThreadBackend, ProcessBackend)):
-                log.warning("persist_timeout_s=%s has no effect with %s: only the 'thread' and 'process' "
-                            "backends can give a hung write up", persist_timeout_s, type(backend).__name__)
         self._channel, self._rngx = self._agreement_channel(store), None
         self._freq = agreement.Frequency(self._channel, rank=self.rank, lookahead=self.config.lookahead)
         # The one process that commits, sweeps and keeps the run's files (history, profile).
         self._commits = commits = self.writer and self.rank == 0 if self._slicer is not None else self.writer
-        if self._slicer is not None and self.writer:
-            self.backend = slices.SliceBackend(self.backend, self._channel, index=self.rank,
-                                               writers=self._slicer.writers)
-            if persist_timeout_s is not None:
-                log.warning("persist_timeout_s=%s cannot give up a slice of a sliced checkpoint (writers=%r); "
-                            "rank 0 gives a step up after agree_timeout_s=%s when a slice does not arrive",
-                            persist_timeout_s, writers, self.config.agree_timeout_s)
         if self._channel is not None:
             self._rngx = agreement.RngExchange(self._channel, writer=commits)
-            if commits:
-                self.backend = agreement.GatherRngBackend(self.backend, self._rngx)
+        # One owner per persist, from the snapshot hand-off to the commit: ordering, every
+        # rank's RNG, the sliced commit and the write are its stages; its handles can always
+        # be given up (persist_timeout_s), on any world size, writers and buffers.
+        self._pipeline = PersistPipeline(
+            self.backend, rng=self._rngx if commits else None,
+            slices=SliceCommit(self._channel, index=self.rank, writers=self._slicer.writers)
+            if self._slicer is not None and self.writer else None)
         self._restores = 0
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory,
                                  buffers=self.config.buffers)
-        # persists one at a time, in step order, also when several snapshots wait for theirs
-        self._persister = OrderedBackend(self.backend) if self.config.buffers > 1 else self.backend
         if self.writer and io == "direct":   # asked for explicitly: refuse where it cannot be had
             for st_ in self.storages:
                 if not st_.is_local:
@@ -554,9 +551,7 @@ class Checkpointer:
             for h in self._hooks:
                 h.remove()
             self._snap.close()
-            if self._persister is not self.backend:
-                self._persister.close()
-            self.backend.close()
+            self._pipeline.close()
 
     def abandon(self) -> None:
         """Drop this Checkpointer without waiting for its persist: its training attempt failed
@@ -570,8 +565,7 @@ class Checkpointer:
         for h in self._hooks:
             h.remove()
         self._snap.close()
-        if self._persister is not self.backend:
-            self._persister.close()   # its queue (buffers > 1): hands the queued jobs on, then stops
+        self._pipeline.detach()
 
     def __enter__(self):
         return self
@@ -706,7 +700,7 @@ class Checkpointer:
                              arenas=[a.buf for a in host], codecs=self.codecs, io=self.config.io,
                              codec_session=self._codec_session, rolled_back=dict(self._rolled_back) or None)
             # non-blocking by the backend protocol
-            self._inflight.append((self._persister.submit(job), p["slot"]))
+            self._inflight.append((self._pipeline.submit(job), p["slot"]))
 
     def _record_error(self, e: BaseException, step: int) -> None:
         self._stats["errors"] += 1
@@ -730,13 +724,13 @@ class Checkpointer:
             if len(running) <= keep:
                 return
             p = running[0]
-            if t is not None and getattr(p, "submitted", None) is not None:
+            if t is not None:
                 while not p.done():
                     left = t - (time.monotonic() - p.submitted)
                     if left <= 0:
                         if self._expire_inflight():
                             break
-                        left = None   # past its commit point (or not abandonable): wait it out
+                        left = None   # past its commit point: wait it out
                     try:
                         p.wait(left)
                     except Exception:  # noqa: BLE001 - the persist's own error is recorded by _harvest
@@ -754,7 +748,7 @@ class Checkpointer:
             return False
         expired = False
         for p, slot in list(self._inflight):
-            err = declare_timeout(p, t, self.storages[0].url)
+            err = p.expire(t, self.storages[0].url)
             if err is None:
                 continue
             with self._lock:

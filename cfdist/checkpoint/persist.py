@@ -16,20 +16,20 @@ writer thread, a writer subprocess, a Ray node actor):
 
 A crash at any instant leaves the previous committed checkpoint untouched and loadable.
 
-A sliced checkpoint (``writers="all"``, :mod:`cfdist.checkpoint.slices`) runs the same function
-in parts: step 0 alone (rank 0), step 1 for each writer's slice (``commit=False``: its entries
-come back in ``CommitInfo.slice``), then steps 2-4 by rank 0 with every slice's entries
+A sliced checkpoint (``writers="all"``, :mod:`cfdist.checkpoint.slice_commit`) runs the same
+function in parts: step 0 alone (rank 0), step 1 for each writer's slice (``commit=False``: its
+entries come back in ``CommitInfo.slice``), then steps 2-4 by rank 0 with every slice's entries
 (``slices=``), after checking each file is in place.
 
-**Hung writes.** A write that blocks (a dead NFS server, an object store that stops answering)
-is given up after the Checkpointer's ``persist_timeout_s``: the waiter :meth:`CommitGate.abandon`\ s
-the job's gate, and the writer must :meth:`CommitGate.claim` that same gate right before its
-commit point, so exactly one of them wins. A writer that wakes up after it was given up finds the
-gate taken and raises :class:`PersistAbandoned` instead of committing (nor does it run retention),
-so a checkpoint declared failed can never appear later, nor delete newer ones. The backend then
-writes the next job on a fresh thread (or a fresh writer process; the hung one is killed), and
-the Checkpointer snapshots into fresh arenas, because the hung writer may still read the old
-ones: each hung write pins one set of arenas (the state's size in host memory) until it returns.
+**Hung writes.** Every job carries a :class:`CommitGate` that the writer claims right before its
+commit point; the persist pipeline (:mod:`cfdist.checkpoint.pipeline`), which owns the job, may
+:meth:`CommitGate.abandon` it once ``persist_timeout_s`` ran out, and exactly one of them wins. A
+writer that wakes up after it was given up finds the gate taken and raises
+:class:`PersistAbandoned` instead of committing (nor does it run retention), so a checkpoint
+declared failed can never appear later, nor delete newer ones. The backend then writes the next
+job on a fresh thread (or a fresh writer process; the hung one is killed), and the Checkpointer
+snapshots into fresh arenas, because the hung writer may still read the old ones: each hung
+write pins one set of arenas (the state's size in host memory) until it returns.
 
 Backends decide *where* that function runs. ``ThreadBackend`` (default) runs it on one
 background thread of the training process. It was measured against ``ProcessBackend`` (a spawned
@@ -249,6 +249,26 @@ class CommitGate:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+class GateDir:
+    """A folder of file :class:`CommitGate`\ s that a writer in another process on this node
+    (a writer process, a node actor) can claim: ``/dev/shm/cfdist-gates-<pid>-*``. Folders left
+    by killed processes are removed when the next one is made; :meth:`close` removes this one."""
+
+    def __init__(self):
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        for old in glob.glob(os.path.join(shm, "cfdist-gates-*-*")):
+            pid = os.path.basename(old).split("-")[2]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        self.path = tempfile.mkdtemp(prefix=f"cfdist-gates-{os.getpid()}-", dir=shm)
+
+    def new(self, step: int) -> CommitGate:
+        return CommitGate(os.path.join(self.path, f"step-{step}-{uuid.uuid4().hex[:8]}"))
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _claim_commit(job: PersistJob) -> None:
@@ -471,11 +491,18 @@ def _join_slices(storages: list[Storage], staging: dict[int, str], parts: list[d
 # ---- backends ----------------------------------------------------------------------------------
 
 class Pending(Protocol):
+    """A backend's handle on one write."""
+
     step: int
 
     def done(self) -> bool: ...
 
-    def wait(self, timeout: float | None = None) -> CommitInfo: ...
+    def wait(self, timeout: float | None = None) -> CommitInfo:
+        """The CommitInfo, or the write's error; ``TimeoutError`` if still running after ``timeout``."""
+
+    def abandon(self) -> bool:
+        """The write was given up (its gate is taken): let the next job run on a fresh writer.
+        Idempotent."""
 
 
 class PersistTimeout(TimeoutError):
@@ -490,29 +517,12 @@ class FuturePending:
     ``on_abandon`` then lets the backend move the next job to a fresh writer.
     """
 
-    def __init__(self, fut: cf.Future, step: int, gate: CommitGate | None = None, on_abandon=None,
-                 after: cf.Future | None = None):
+    def __init__(self, fut: cf.Future, step: int, gate: CommitGate | None = None, on_abandon=None):
         self._fut = fut
         self.step = step
-        self._t = time.monotonic()
-        self._after = after
-        self._after_done: float | None = None
-        if after is not None:
-            after.add_done_callback(lambda f: setattr(self, "_after_done", time.monotonic()))
         self._gate = gate
         self._on_abandon = on_abandon
-        if gate is not None:
-            fut.add_done_callback(lambda f: gate.close() if not gate.abandoned() else None)
-
-    @property
-    def submitted(self) -> float:
-        """``time.monotonic()`` from which the timeout counts: the submission, or when the
-        writer it waits for (``after``: a writer process starting) became ready."""
-        if self._after is None:
-            return self._t
-        if self._after_done is None:
-            return time.monotonic()   # the writer is still starting: the write has not begun
-        return max(self._t, self._after_done)
+        self._abandoned = False
 
     def done(self) -> bool:
         return self._fut.done()
@@ -526,34 +536,10 @@ class FuturePending:
         this backend cannot give writes up."""
         if self._gate is None or not self._gate.abandon():
             return False
-        if self._on_abandon is not None:
+        if not self._abandoned and self._on_abandon is not None:
             self._on_abandon(self)
+        self._abandoned = True
         return True
-
-
-def declare_timeout(pending, timeout_s: float, where: str) -> PersistTimeout | None:
-    """Give ``pending`` up if it ran ``timeout_s`` seconds or more: the error to record, or None
-    (not due yet, finished, already committing, or a backend that cannot give writes up)."""
-    started = getattr(pending, "submitted", None)
-    if started is None or pending.done() or time.monotonic() - started < timeout_s:
-        return None
-    abandon = getattr(pending, "abandon", None)
-    if abandon is None or not abandon():
-        if not getattr(pending, "_timeout_noted", False):   # once per persist
-            try:
-                pending._timeout_noted = True
-            except AttributeError:
-                pass
-            log.warning("persisting step %d to %s runs past persist_timeout_s=%s but cannot be given up (it is "
-                        "past its commit point, or %s cannot give writes up); waiting for it",
-                        pending.step, where, timeout_s, type(pending).__name__)
-        return None
-    log.error("persisting step %d to %s did not finish within persist_timeout_s=%s: declared failed; its "
-              "writer can no longer commit it", pending.step, where, timeout_s)
-    return PersistTimeout(
-        f"persisting step {pending.step} to {where} did not finish within persist_timeout_s={timeout_s}s "
-        f"(the storage hangs or is too slow); it is declared failed and can no longer commit; training "
-        f"continues with a fresh writer; raise persist_timeout_s if the storage is just slow")
 
 
 def _run_into(fut: cf.Future, fn, *args) -> None:
@@ -566,11 +552,20 @@ def _run_into(fut: cf.Future, fn, *args) -> None:
 
 
 class PersistBackend(Protocol):
-    """Where :func:`write_checkpoint` runs. ``submit`` must not block on the write itself."""
+    """Where :func:`write_checkpoint` runs, for the persist pipeline
+    (:mod:`cfdist.checkpoint.pipeline`). ``submit`` must not block on the write itself."""
 
     needs_shared_memory: bool
 
-    def submit(self, job: PersistJob) -> Pending: ...
+    def new_gate(self, step: int) -> CommitGate:
+        """A gate the writer of this backend can claim (in its own process)."""
+
+    def ready_at(self) -> float | None:
+        """``time.monotonic()`` since which its writer is ready (None: still starting); a
+        persist's timeout counts from then at the earliest."""
+
+    def submit(self, job: PersistJob) -> Pending:
+        """Start writing ``job``; its writer claims ``job.gate`` right before committing."""
 
     def close(self) -> None: ...
 
@@ -602,8 +597,15 @@ class ThreadBackend:
         self._lock = threading.Lock()
         _LIVE_THREAD_BACKENDS.add(self)
 
+    def new_gate(self, step: int) -> CommitGate:
+        return CommitGate()
+
+    def ready_at(self) -> float | None:
+        return 0.0   # a thread is ready at once
+
     def submit(self, job: PersistJob) -> Pending:
-        job.gate = CommitGate()
+        if job.gate is None:
+            job.gate = self.new_gate(job.step)
         fut: cf.Future = cf.Future()
         with self._lock:
             self._live.add(fut)
@@ -621,83 +623,6 @@ class ThreadBackend:
             live = list(self._live)
         cf.wait(live)
         _LIVE_THREAD_BACKENDS.discard(self)
-
-
-class _Queued:
-    """A persist :class:`OrderedBackend` holds: queued behind the ones before it, then running
-    on the inner backend (``submitted``, ``abandon`` are the inner persist's from then on)."""
-
-    def __init__(self, step: int):
-        self.step = step
-        self._fut: cf.Future | None = None
-        self._inner = None
-        self._cancelled = self._abandoned = False
-        self._lock = threading.Lock()
-
-    @property
-    def submitted(self) -> float | None:
-        """When its timeout starts counting: once the inner backend has it (now while queued)."""
-        inner = self._inner
-        return time.monotonic() if inner is None else getattr(inner, "submitted", None)
-
-    def done(self) -> bool:
-        return self._fut.done()
-
-    def wait(self, timeout: float | None = None) -> CommitInfo:
-        return self._fut.result(timeout)
-
-    def abandon(self) -> bool:
-        """Give it up: a queued one never starts; a running one as its backend allows."""
-        with self._lock:
-            if self._inner is None:
-                self._cancelled = True
-                return True
-            ab = getattr(self._inner, "abandon", None)
-            if ab is None or not ab():
-                return False
-            self._abandoned = True
-            return True
-
-
-class OrderedBackend:
-    """Runs ``inner``'s persists one at a time, in the order submitted (double buffering).
-
-    ``submit`` returns at once; one long-lived thread hands each job to ``inner`` once the one
-    before it ended (committed, failed, or given up), so a later step never commits before an
-    earlier one, retention and ``LATEST.json`` move forward only, and a persist's timeout counts
-    from when it starts writing, not while it waits its turn. ``close`` waits for the queue and
-    leaves ``inner`` open.
-    """
-
-    _POLL_S = 0.2
-    """How often a running persist is checked for having been given up."""
-
-    def __init__(self, inner: "PersistBackend"):
-        self.inner = inner
-        self.needs_shared_memory = inner.needs_shared_memory
-        self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-persist-order")
-
-    def submit(self, job: PersistJob) -> Pending:
-        h = _Queued(job.step)
-        h._fut = self._ex.submit(self._run, job, h)
-        return h
-
-    def _run(self, job: PersistJob, h: _Queued) -> CommitInfo:
-        with h._lock:
-            if h._cancelled:
-                raise PersistAbandoned(f"persist of step {job.step} was given up before it started")
-            p = h._inner = self.inner.submit(job)
-        while not p.done():
-            if h._abandoned:
-                raise PersistAbandoned(f"persist of step {job.step} was given up (timed out)")
-            try:
-                p.wait(self._POLL_S)
-            except Exception:  # noqa: BLE001 - not finished yet, or its error: p.wait() below re-raises it
-                pass
-        return p.wait()
-
-    def close(self) -> None:
-        self._ex.shutdown(wait=True)
 
 
 def _child_write(urls: list[str], options: dict, job: PersistJob) -> CommitInfo:
@@ -765,12 +690,8 @@ class ProcessBackend:
                                  f"this process only; use backend='thread'")
         self.urls = [s.url for s in storages]
         self.options = dict(storage_options or {})
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        for old in glob.glob(os.path.join(shm, "cfdist-gates-*-*")):   # left by killed processes
-            pid = os.path.basename(old).split("-")[2]
-            if pid.isdigit() and not pid_alive(int(pid)):
-                shutil.rmtree(old, ignore_errors=True)
-        self._gates = tempfile.mkdtemp(prefix=f"cfdist-gates-{os.getpid()}-", dir=shm)
+        self._gates = GateDir()
+        self.new_gate = self._gates.new
         self._ex = self._new_pool()
         self.restarts = 0
         """Writer processes replaced (died, or killed after a hung write)."""
@@ -779,8 +700,20 @@ class ProcessBackend:
         pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
                                       initializer=_die_with_parent, initargs=(os.getpid(),))
         # Start the writer now (seconds: it imports torch); a persist's timeout counts from then.
-        self._started = pool.submit(_ready)
+        self._started = started = pool.submit(_ready)
+        self._ready_at: float | None = None
+
+        def ready(f: cf.Future) -> None:
+            if self._started is started:   # not a pool replaced since
+                self._ready_at = time.monotonic()
+
+        started.add_done_callback(ready)
         return pool
+
+    def ready_at(self) -> float | None:
+        """``time.monotonic()`` since which the current writer process runs (None: starting;
+        it imports torch, seconds): a persist's timeout does not count the start."""
+        return self._ready_at
 
     def _replace_pool(self, kill: bool) -> None:
         old, self._ex = self._ex, self._new_pool()
@@ -791,15 +724,22 @@ class ProcessBackend:
         old.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, job: PersistJob) -> Pending:
-        job.gate = CommitGate(os.path.join(self._gates, f"step-{job.step}-{uuid.uuid4().hex[:8]}"))
+        if job.gate is None:
+            job.gate = self.new_gate(job.step)
         try:
             fut = self._ex.submit(_child_write, self.urls, self.options, job)
         except cf.process.BrokenProcessPool:
             log.warning("the persist writer process died; starting a new one for step %d", job.step)
             self._replace_pool(kill=False)
             fut = self._ex.submit(_child_write, self.urls, self.options, job)
-        return FuturePending(self._settled(fut, job), job.step, job.gate,
-                             on_abandon=lambda p: self._replace_pool(kill=True), after=self._started)
+        return FuturePending(self._settled(fut, job), job.step, job.gate, on_abandon=self._on_abandon)
+
+    def _on_abandon(self, pending: FuturePending) -> None:
+        """A write given up: kill its writer process and start a fresh one -- unless the writer
+        is still starting. Then it has not begun the job (it will find the gate taken and skip
+        it), and killing it would only make the next job wait for yet another start."""
+        if self._ready_at is not None:
+            self._replace_pool(kill=True)
 
     def _settled(self, fut: cf.Future, job: PersistJob) -> cf.Future:
         """``fut``, except that a writer process that died *after* committing its step (it
@@ -856,4 +796,4 @@ class ProcessBackend:
         try:
             self._ex.shutdown(wait=True)
         finally:
-            shutil.rmtree(self._gates, ignore_errors=True)
+            self._gates.close()

@@ -17,34 +17,15 @@ rank 0's, as a single-writer checkpoint does. A piece is stored as a 1-D ``U8`` 
 the manifest's ``"split"`` maps each split tensor to its dtype, shape and pieces, and a reader
 joins them (:func:`join`) after every piece passed its own checksum.
 
-**The protocol** (:class:`SliceBackend`, one per writer, on its persist thread):
-
-1. rank 0 (which swept the roots when its Checkpointer started) makes room for the step (a
-   stale step directory of that number is moved aside or removed), then publishes
-   ``slices/<step>/go`` with a staging tag; only then every writer writes its shard files (one
-   per root: striping and slicing together) into the shared staging directory
-   ``step-XXXXXXXXX.tmp-<tag>`` of each root (on object stores: the final prefix), and fsyncs them;
-2. writers 1..N-1 publish their part of the manifest (``slices/<step>/<w>``: files, roots,
-   tensor entries) through the c10d Store, or the error that stopped them;
-3. rank 0 writes its own slice, waits (``agree_timeout_s``) for every other part, checks every
-   file is in place, and commits once: the manifest, naming each file's writer, is the last
-   write, as for one writer (:func:`cfdist.checkpoint.persist.write_checkpoint`);
-4. rank 0 publishes the outcome (``slices/<step>/outcome``); the other writers wait for it, so
-   ``wait()``/``latest_step`` mean "committed" on every writer.
-
-Every writer must see the same storage roots (rank 0 checks each file is in its staging
-directory before committing). A writer that dies mid-write never publishes its part: rank 0's wait times out, nothing is
-committed, the previous checkpoint stays, and the staging directory is swept at the next start.
+This module is the pure part (the plan, the pieces, joining them on load); the protocol by
+which the writers' slices become one committed checkpoint is
+:class:`cfdist.checkpoint.slice_commit.SliceCommit`, a stage of each writer's persist pipeline.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
-import json
 import logging
-import time
-import uuid
 from dataclasses import dataclass
 
 import torch
@@ -230,108 +211,3 @@ def global_shards(index: int, layout: list[list[TensorEntry]], writers: int) -> 
     is shard ``index * R + j`` of ``writers * R``, and the entries name that shard."""
     r = len(layout)
     return [(index * r + j, [dataclasses.replace(e, shard=index * r + j) for e in es]) for j, es in enumerate(layout)]
-
-
-class SliceBackend:
-    """A writer's persist backend in a sliced checkpoint (see the module docstring).
-
-    Wraps the real backend (thread or process): ``submit`` returns at once; a background
-    thread writes this writer's slice through the inner backend, then reports it (writers
-    1..N-1) or collects every slice and commits (writer 0). The pending result fails with
-    :class:`SliceError` when the step was not committed.
-    """
-
-    def __init__(self, inner, channel, *, index: int, writers: int):
-        from cfdist.checkpoint.persist import FuturePending
-
-        self.inner, self.ch, self.index, self.writers = inner, channel, index, writers
-        self.needs_shared_memory = inner.needs_shared_memory
-        self._pending = FuturePending
-        self._tag = uuid.uuid4().hex[:8]
-        self._outcomes: list[int] = []   # writer 0: outcome keys that every writer read already
-        self._ex = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-slice")
-
-    def _go(self, job) -> str:
-        """The step's staging tag, once rank 0 made room for the step (rank 0: does it)."""
-        step = job.step
-        if self.index == 0:
-            try:
-                self.inner.submit(dataclasses.replace(job, shards=[], arenas=[], commit=False)).wait()
-            except BaseException as e:
-                self._report(step, {"error": f"rank 0 could not prepare step {step}: {type(e).__name__}: {e}"})
-                self.ch.set(f"slices/{step}/go", json.dumps({"error": "see outcome"}).encode())
-                raise
-            self.ch.set(f"slices/{step}/go", json.dumps({"tag": self._tag}).encode())
-            return self._tag
-        raw, = self.ch.get_all([f"slices/{step}/go"], what=f"rank 0's go for writing step {step}",
-                               fix="rank 0 may have died or stalled, or it was built with another writers=")
-        go = json.loads(raw)
-        if "tag" not in go:
-            raise SliceError(f"step {step} is not written: rank 0 could not prepare it")
-        return go["tag"]
-
-    def _run(self, job):
-        step = job.step
-        t0 = time.perf_counter()
-        job.staging_tag = self._go(job)
-        own = dataclasses.replace(job, commit=False, writer=self.index, clear=False)
-        self._t = [t0, time.perf_counter()]
-        try:
-            mine = self.inner.submit(own).wait()
-            self._t.append(time.perf_counter())
-        except BaseException as e:
-            self._report(step, {"error": f"writer {self.index} failed: {type(e).__name__}: {e}"})
-            raise
-        if self.index != 0:
-            self._report(step, mine.slice)
-            raw, = self.ch.get_all([f"slices/{step}/outcome"], what=f"rank 0's commit of step {step}",
-                                   fix="rank 0 may have died; the step is not committed, the previous "
-                                       "checkpoint stays")
-            out = json.loads(raw)
-            if "error" in out:
-                raise SliceError(f"step {step} was not committed: {out['error']}")
-            return mine
-        return self._commit(job, mine)
-
-    def _report(self, step: int, part: dict) -> None:
-        if self.index != 0:
-            self.ch.set(f"slices/{step}/{self.index}", json.dumps(part).encode())
-        else:
-            self.ch.set(f"slices/{step}/outcome", json.dumps(part).encode())
-
-    def _commit(self, job, mine):
-        step = job.step
-        others = [f"slices/{step}/{w}" for w in range(1, self.writers)]
-        try:
-            parts = [json.loads(r) for r in self.ch.get_all(
-                others, what=f"the other writers' slices of step {step}",
-                fix="a writer rank died or stalled while writing; the step is not committed, the "
-                    "previous checkpoint stays (raise agree_timeout_s if the storage is just slow)")]
-            bad = [p["error"] for p in parts if "error" in p]
-            if bad:
-                raise SliceError(f"step {step} is not committed: " + "; ".join(bad))
-            final = dataclasses.replace(job, shards=[], arenas=[], commit=True, clear=False,
-                                        slices=[mine.slice] + parts)
-            self._t.append(time.perf_counter())
-            info = self.inner.submit(final).wait()
-        except BaseException as e:
-            self._report(step, {"error": f"{type(e).__name__}: {e}"})
-            raise
-        finally:
-            self.ch.delete(others + [f"slices/{step}/go"])   # every writer read its go before its slice
-        self._report(step, {"ok": True})
-        t = self._t + [time.perf_counter()]
-        log.debug("step %d committed by %d writers: go %.3fs, own slice %.3fs (%d bytes), others %.3fs, "
-                  "commit %.3fs", step, self.writers, t[1] - t[0], t[2] - t[1], mine.bytes, t[3] - t[2], t[4] - t[3])
-        for s in self._outcomes:   # every writer read it before writing the step just committed
-            self.ch.delete([f"slices/{s}/outcome"])
-        self._outcomes = [step]
-        return dataclasses.replace(info, bytes=mine.bytes, bytes_logical=mine.bytes_logical)
-
-    def submit(self, job):
-        return self._pending(self._ex.submit(self._run, job), job.step)
-
-    def close(self) -> None:
-        self._ex.shutdown(wait=True)
-        self.inner.close()
-

@@ -49,7 +49,7 @@ import torch
 from cfdist.checkpoint import slices
 from cfdist.checkpoint.discovery import committed_steps, is_committed, read_manifest, read_tensors, sweep
 from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TMP_MARK, TensorEntry, step_dir
-from cfdist.checkpoint.persist import CommitInfo, PersistJob, ShardJob, pid_alive, write_checkpoint
+from cfdist.checkpoint.persist import CommitInfo, GateDir, PersistJob, ShardJob, pid_alive, write_checkpoint
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
 from cfdist.storage import open_storages
@@ -588,9 +588,15 @@ class NodeCheckpointer:
 class ActorPending:
     """Pending persist on a node actor: ``wait()`` returns the CommitInfo or re-raises."""
 
-    def __init__(self, ref, step: int):
+    def __init__(self, ref, step: int, gate=None):
         self._ref = ref
         self.step = step
+        self._gate = gate
+
+    def abandon(self) -> bool:
+        """Given up: the actor's write can no longer commit (its gate is taken); the actor
+        runs the next persist once that write returns."""
+        return self._gate is not None and self._gate.abandon()
 
     def done(self) -> bool:
         import ray
@@ -617,10 +623,21 @@ class ActorBackend:
         self.attempt = attempt
         self.policy = policy
         """A :class:`~cfdist.policy.memory.MemoryEvery` decides which steps also go to disk."""
+        self._gates = None
+
+    def ready_at(self) -> float | None:
+        return 0.0   # the node actor runs before any worker starts
+
+    def new_gate(self, step: int):
+        """A file gate in /dev/shm: the node actor runs on this node and claims it there."""
+        if self._gates is None:
+            self._gates = GateDir()
+        return self._gates.new(step)
 
     def submit(self, job: PersistJob) -> ActorPending:
         to_disk = self.policy is None or not hasattr(self.policy, "to_disk") or self.policy.to_disk(job.step)
-        return ActorPending(self.actor.persist.remote(job, self.attempt, to_disk), job.step)
+        return ActorPending(self.actor.persist.remote(job, self.attempt, to_disk), job.step, job.gate)
 
     def close(self) -> None:
-        pass  # the actor outlives the workers
+        if self._gates is not None:   # the actor outlives the workers; the gates do not
+            self._gates.close()

@@ -248,13 +248,13 @@ def test_two_buffer_sets_with_the_writer_process_commit_in_order_and_restore_bit
     ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, url, cfdist.Every(1), keep=100, buffers=2,
                                backend="process")
     paths: set[str] = set()
-    real_submit = ckpt._persister.submit
+    real_submit = ckpt._pipeline.submit
 
     def submit(job):   # white-box: which /dev/shm file each persist reads
         paths.update(s.arena_path for s in job.shards)
         return real_submit(job)
 
-    ckpt._persister.submit = submit
+    ckpt._pipeline.submit = submit
     want, g, step, killed = {}, torch.Generator().manual_seed(1), 0, None
 
     def train(kill: bool = False) -> bool:
