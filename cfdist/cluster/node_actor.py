@@ -17,10 +17,10 @@ GIL shared with training, no copy through the object store):
    (:func:`plan_shared_slices`, pure), pinning whole to itself every tensor whose checksum
    differs between its copy and a helper's (module buffers: BatchNorm statistics differ
    between replicas); it asks each helper to upload one slice from its own node copy
-   (:meth:`upload_slice`: a Ray call whose return value is the slice's manifest entries),
-   writes its own slice, and commits once every slice is durable
-   (:func:`~cfdist.checkpoint.persist.write_checkpoint` with ``slices=``); the manifest's
-   ``slicing.nodes`` names the node of each writer.
+   (:meth:`upload_slice`), writes its own slice, and commits once every slice is durable. The
+   writers follow the one sliced-commit protocol (:mod:`cfdist.checkpoint.slice_commit`: go,
+   slice durable, commit once), here over Ray's key-value store (:class:`cfdist.cluster.kv.RayKV`);
+   the manifest's ``slicing.nodes`` names the node of each writer.
    A peer that fails, dies or times out leaves the step uncommitted there (the previous one
    stays); node 0 then uploads whole until the next attempt.
 
@@ -50,6 +50,7 @@ from cfdist.checkpoint import slices
 from cfdist.checkpoint.discovery import committed_steps, is_committed, read_manifest, read_tensors, sweep
 from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TMP_MARK, TensorEntry, step_dir
 from cfdist.checkpoint.persist import CommitInfo, GateDir, PersistJob, ShardJob, pid_alive, write_checkpoint
+from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
 from cfdist.storage import open_storages
@@ -129,6 +130,24 @@ def plan_shared_slices(tensors: dict[str, dict], theirs: list[dict[str, str] | N
     slicer.select(meta, pinned)
     return SharedSlicePlan(helpers=helpers, pieces=[slicer.pieces(w) for w in range(slicer.writers)],
                            split=slicer.split, pinned=pinned)
+
+
+def _fail_fast(refs: list, every_s: float = 0.1):
+    """A protocol ``check`` for node 0: raises the error of a helper's call that ended before
+    the outcome (the helper died or failed), instead of waiting ``shared_slice_timeout_s``."""
+    import ray
+
+    last = [0.0]
+
+    def check() -> None:
+        if not refs or time.monotonic() - last[0] < every_s:
+            return
+        last[0] = time.monotonic()
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for r in done:
+            ray.get(r)
+
+    return check
 
 
 class StaleAttempt(RuntimeError):
@@ -359,14 +378,10 @@ class NodeCheckpointer:
             return None
         return {"node": self.node_name, "sums": {k: t.get("xxh3") for k, t in got[0]["tensors"].items()}}
 
-    def upload_slice(self, step: int, index: int, writers: int, pieces: list, sums: dict[str, str],
-                     tag: str) -> dict:
-        """Write slice ``index`` of ``writers`` of committed ``step`` (its ``pieces``) from this
-        node's copy into the shared tier's staging directory ``tag``; fsynced, not committed.
-
-        ``sums``: the checksums node 0 holds for the tensors of these pieces; a copy that differs
-        is refused. Returns the slice's manifest entries (``CommitInfo.slice``)."""
-        t0 = time.perf_counter()
+    def _slice_job(self, step: int, index: int, writers: int, pieces: list, sums: dict[str, str]) -> PersistJob:
+        """Slice ``index`` of ``writers`` of committed ``step`` (its ``pieces``), read from this
+        node's copy. ``sums``: the checksums node 0 holds for the tensors of these pieces; a
+        copy that differs is refused."""
         names = {p.name for p in pieces}
         got = self._read_node_copy(step, names)
         if got is None:
@@ -385,12 +400,40 @@ class NodeCheckpointer:
             off += p.nbytes
         arena = torch.cat(bufs) if bufs else torch.empty(0, dtype=torch.uint8)
         (g, es), = slices.global_shards(index, [entries], writers)
-        job = PersistJob(step=step, manifest={}, arenas=[arena], commit=False, staging_tag=tag, writer=index,
-                         clear=False, shards=[ShardJob(index=g, count=writers, root=0, nbytes=off, entries=es)])
+        return PersistJob(step=step, manifest={}, arenas=[arena], keep=self.config.keep,
+                          shards=[ShardJob(index=g, count=writers, root=0, nbytes=off, entries=es)])
+
+    def _slice_commit(self, step: int, index: int, writers: int, tag: str) -> SliceCommit:
+        """The sliced-commit protocol of one shared upload, over Ray's key-value store."""
+        from cfdist.cluster.kv import RayKV
+
+        kv = RayKV(f"cfdist-slices/{self._args[0]}/{step}/{tag}", rank=index,
+                   timeout_s=self.config.shared_slice_timeout_s)
+        return SliceCommit(kv, index=index, writers=writers, tag=tag)
+
+    def _write_shared(self, job: PersistJob, index: int) -> CommitInfo:
+        """The protocol's write stage on this node: one write into the shared tier."""
+        t0 = time.perf_counter()
         info = write_checkpoint(self.shared, job)
-        self._event("shared_slice_written", step=step, writer=index, bytes=info.bytes,
-                    seconds=round(time.perf_counter() - t0, 6))
-        return info.slice
+        if job.shards:
+            self._event("shared_slice_written", step=job.step, writer=index, bytes=info.bytes,
+                        seconds=round(time.perf_counter() - t0, 6))
+        return info
+
+    def upload_slice(self, step: int, index: int, writers: int, pieces: list, sums: dict[str, str],
+                     tag: str) -> dict:
+        """A helper node's part of node 0's sliced upload of committed ``step`` (a Ray call from
+        node 0): write slice ``index`` of ``writers`` (its ``pieces``, from this node's copy,
+        checked against node 0's ``sums``) into the shared tier once node 0 says go, report it,
+        and return once node 0 committed (:mod:`cfdist.checkpoint.slice_commit`). Returns the
+        slice's manifest entries; raises when the step was not committed."""
+        proto = self._slice_commit(step, index, writers, tag)
+        try:
+            job = self._slice_job(step, index, writers, pieces, sums)
+        except Exception as e:
+            proto.fail(step, f"{type(e).__name__}: {e}")
+            raise
+        return proto.run(job, lambda j: self._write_shared(j, index), proto.fate(step), check=lambda: None).slice
 
     def _upload_sliced(self, step: int, peers: list) -> dict | None:
         """Node 0's side of a sliced shared upload (see the module docstring). Returns
@@ -428,26 +471,25 @@ class NodeCheckpointer:
         nodes = [self.node_name] + [theirs[i]["node"] for i in plan.helpers]
         writers = plan.writers
         tag = uuid.uuid4().hex[:8]
-        base = dict(step=step, keep=self.config.keep, staging_tag=tag)
-        write_checkpoint(self.shared, PersistJob(manifest={}, shards=[], arenas=[], commit=False, **base))
+        proto = self._slice_commit(step, 0, writers, tag)
         refs = [h.upload_slice.remote(step, w, writers, plan.pieces[w],
                                       {p.name: mine[p.name] for p in plan.pieces[w]}, tag)
                 for w, h in enumerate(helpers, start=1)]
         try:
-            own = self.upload_slice(step, 0, writers, plan.pieces[0], mine, tag)
-            parts = ray.get(refs, timeout=timeout)
+            job = self._slice_job(step, 0, writers, plan.pieces[0], mine)
+            job.manifest = {k: v for k, v in m0.items()
+                            if k not in ("format", "step", "time", "bytes", "roots", "shards", "tensors", SEAL)}
+            job.manifest.update(slicing={"writers": writers, "align": slices.ALIGN, "by": "nodes", "nodes": nodes},
+                                split=plan.split, source_time=m0.get("time"))
+            proto.run(job, lambda j: self._write_shared(j, 0), proto.fate(step), check=_fail_fast(refs))
+            ray.get(refs, timeout=timeout)   # every helper has the outcome
+            proto.forget(step)
         except Exception as e:  # noqa: BLE001 - a failed, dead or stalled peer: the step is not committed
             for r in refs:
                 ray.cancel(r, force=False)
             self._drop_staging(step, tag)
             raise slices.SliceError(f"a slice of step {step} was not written: {type(e).__name__}: {e}") from e
-        manifest = {k: v for k, v in m0.items()
-                    if k not in ("format", "step", "time", "bytes", "roots", "shards", "tensors", SEAL)}
-        manifest.update(slicing={"writers": writers, "align": slices.ALIGN, "by": "nodes", "nodes": nodes},
-                        split=plan.split, source_time=m0.get("time"))
-        info = write_checkpoint(self.shared, PersistJob(manifest=manifest, shards=[], arenas=[], commit=True,
-                                                        clear=False, slices=[own] + parts, **base))
-        return {"bytes": info.bytes, "nodes": nodes}
+        return {"bytes": proto.committed_bytes, "nodes": nodes}
 
     def _drop_staging(self, step: int, tag: str) -> None:
         """Remove what a failed sliced upload of ``step`` left in the shared tier (best effort: a
