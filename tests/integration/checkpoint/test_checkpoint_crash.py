@@ -26,6 +26,19 @@ def in_flight(st) -> list[str]:
     return [n for n in st.listdir("") if TMP_MARK in n or (parse_step_dir(n) not in (None, *done))]
 
 
+def _wait_steps(log: Path, steps: int, pid: int, children, timeout_s: float = 120.0) -> None:
+    """Wait until the training process logged ``steps`` steps since its restore (one line each)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = sum(1 for line in log.read_text().splitlines() if '"step"' in line) if log.exists() else 0
+        if done >= steps:
+            return
+        if time.monotonic() > deadline or children.poll(pid) is not None:
+            raise AssertionError(f"training process {pid} logged {done} of {steps} steps in {timeout_s} s "
+                                 f"(or died); see {log}")
+        time.sleep(0.005)
+
+
 def kill_restore_loop(children, out, url, *, kills: int, seed: int, options=None, hidden=1024,
                       wait_for_write=0.5) -> int:
     """``kills`` training processes, each SIGKILLed at a seeded instant, each restored by the next.
@@ -56,7 +69,10 @@ def kill_restore_loop(children, out, url, *, kills: int, seed: int, options=None
                 time.sleep(0.001)
             time.sleep(rng.uniform(0.0, 0.02))
         else:                                 # anywhere: a step, a snapshot, a write, a retention delete
-            time.sleep(rng.uniform(0.0, 0.6))
+            # at a seeded step, then a seeded instant within it: counted in steps, not seconds,
+            # so a loaded machine kills as late in training as an idle one does
+            _wait_steps(out / f"a{run}-r0.jsonl", rng.randint(0, 3 * K), pid, children)
+            time.sleep(rng.uniform(0.0, 0.05))
         assert children.kill(pid) == -9, f"run {run} ended by itself; see {out}"
         interrupted += bool(in_flight(st))
 
