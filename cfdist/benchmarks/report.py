@@ -1,4 +1,4 @@
-"""From ``results.json`` to figures: the analysis (pure), ``report.md``, PNG plots, the README table.
+"""From ``results.json`` to figures: the analysis (pure), ``report.md``, PNG plots, the docs' summary table.
 
 Every figure is a ratio to a baseline measured in the same run: stall per checkpoint to DCP's
 best configuration, CPU seconds to a memcpy + raw write of the same bytes, wall time to the
@@ -499,6 +499,6 @@ def rewrite_readme(readme: str, section: str) -> str:
     """Replace the text between the markers (markers included) with ``section``."""
     pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
     if not pat.search(readme):
-        raise ValueError(f"the README has no {BEGIN} ... {END} markers to put the benchmark table between; "
+        raise ValueError(f"the page has no {BEGIN} ... {END} markers to put the benchmark table between; "
                          f"add them where the table belongs")
     return pat.sub(lambda _: section, readme, count=1)
