@@ -9,7 +9,9 @@
   seconds;
 * the generated sections (configuration reference, benchmark summary) equal what the code
   generates now (``python docs/gen.py`` rewrites them);
-* every test a page names as a guard (``tests/...py::test_name``) exists.
+* every test a page names as a guard (``tests/...py::test_name``) exists;
+* the README's relative links (it is not part of the site) reach a file, and their anchors a
+  heading of that page.
 
 What is real: mkdocs, the Material theme, mkdocstrings over the installed cfdist, a real Python
 interpreter per block. Nothing is faked.
@@ -118,3 +120,28 @@ def test_every_test_the_docs_name_exists():
             if name not in defs:
                 missing.append(f"{path}::{name}")
     assert not missing, f"the docs name tests that do not exist: {missing}"
+
+
+def _anchors(md_text: str) -> set[str]:
+    from markdown.extensions.toc import slugify
+
+    return {slugify(h, "-") for h in re.findall(r"^#{1,6}\s+(.+?)\s*$", md_text, re.M)}
+
+
+def test_the_readme_links_resolve():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    relative = [u for u in links if "://" not in u]
+    assert relative
+    bad = []
+    for u in relative:
+        path, _, anchor = u.partition("#")
+        full = os.path.join(ROOT, path) if path else os.path.join(ROOT, "README.md")
+        if not os.path.exists(full):
+            bad.append(f"{u}: no such file")
+        elif anchor:
+            with open(full) as f:
+                if anchor not in _anchors(f.read()):
+                    bad.append(f"{u}: no heading gives #{anchor}")
+    assert not bad, f"broken links in README.md: {bad}"
