@@ -145,3 +145,12 @@ def test_the_readme_links_resolve():
                 if anchor not in _anchors(f.read()):
                     bad.append(f"{u}: no heading gives #{anchor}")
     assert not bad, f"broken links in README.md: {bad}"
+
+
+def test_the_cfdist_fit_yaml_example_is_the_one_the_command_prints():
+    from cfdist.cli import FIT_EXAMPLE
+
+    with open(os.path.join(ROOT, "docs", "multi-node.md")) as f:
+        page = f.read()
+    example = "\n".join(line[2:] for line in FIT_EXAMPLE.splitlines()[2:])
+    assert f"```yaml\n{example}\n```" in page, "docs/multi-node.md's run.yaml differs from cfdist.cli.FIT_EXAMPLE"
