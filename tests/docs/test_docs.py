@@ -63,6 +63,7 @@ def test_the_readme_quickstart_and_the_docs_have_runnable_blocks():
     assert len(pages) >= 5, f"runnable blocks on only {sorted(pages)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where,code", BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_runnable_block_runs(where, code, tmp_path):
     script = tmp_path / "block.py"
@@ -78,6 +79,7 @@ def test_runnable_block_runs(where, code, tmp_path):
     assert r.returncode == 0, f"the runnable block at {where} failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}"
 
 
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     """Warnings are errors (``strict: true`` and ``--strict``): broken links and anchors, pages
     not in the nav, mkdocstrings references that do not resolve."""
