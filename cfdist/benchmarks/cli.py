@@ -1,4 +1,4 @@
-"""``cfdist bench``: run the benchmark suite, or re-render a report, or the README's table.
+"""``cfdist bench``: run the benchmark suite, or re-render a report, or the docs' summary table.
 
 ::
 
@@ -6,7 +6,7 @@
     cfdist bench --quick                  # every method once, tiny model (a smoke test)
     cfdist bench --full --big --recovery  # 5 rounds, 1-2 GB states, recovery per tier (Ray)
     cfdist bench --render DIR             # report.md + PNGs again from DIR/results.json
-    cfdist bench --readme                 # README.md's table from docs/bench/results.json
+    cfdist bench --docs                   # docs/benchmarks.md's table from docs/bench/results.json
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ def register(sub) -> None:
                    help="start no further block after this many minutes (skipped blocks are listed)")
     p.add_argument("--note", default=None, help="a line for the report, e.g. 'machine shared with other jobs'")
     p.add_argument("--render", metavar="DIR", default=None, help="only re-render DIR/results.json")
-    p.add_argument("--readme", action="store_true",
-                   help="only rewrite README.md's benchmark section from --source's results.json")
+    p.add_argument("--docs", "--readme", dest="readme", action="store_true",
+                   help="only rewrite the benchmark section of --docs-file from --source's results.json")
     p.add_argument("--source", default=os.path.join("docs", "bench"),
-                   help="committed report directory the README table comes from (default docs/bench)")
-    p.add_argument("--readme-file", default="README.md")
+                   help="committed report directory the table comes from (default docs/bench)")
+    p.add_argument("--docs-file", "--readme-file", dest="readme_file", default=os.path.join("docs", "benchmarks.md"),
+                   help="the Markdown page with the cfdist-bench markers (default docs/benchmarks.md)")
     p.set_defaults(run=main)
 
 
@@ -65,7 +66,8 @@ def update_readme(source: str, readme_file: str) -> None:
         results = json.load(f)
     with open(readme_file) as f:
         text = f.read()
-    new = report.rewrite_readme(text, report.readme_section(results, report_path=f"{source}/report.md"))
+    section = report.readme_section(results, report_path=report.relative_report_path(source, readme_file))
+    new = report.rewrite_readme(text, section)
     with open(readme_file, "w") as f:
         f.write(new)
 

@@ -32,7 +32,7 @@ TOLERANCE = 0.25
 """|simulated / measured goodput - 1| per policy, the simulator given the run's own costs.
 
 Measured on this 2-core machine shared with other jobs: 0-6% over the policies of each run of
-this module (idle to load average 6) and 2-3% for the README's full-size runs; up to 30% only
+this module (idle to load average 6) and 2-3% for the full-size runs in docs/experiments.md; up to 30% only
 when the machine is so slow that a recovery (restart + restore: 3 s idle, 7-8 s under load)
 outlasts the time to the next failure and failures pile up on recoveries. Two failures 6.5 s
 apart keep these runs mostly out of that regime; 25% leaves room for a slow moment without

@@ -83,7 +83,7 @@ def _ddp(model: nn.Module, world: int) -> nn.Module:
     another order on its first step than the uninterrupted job does on that step (a ring
     all-reduce adds the ranks in an order that depends on an element's position in its bucket;
     with two ranks ``a + b == b + a``). The flag keeps the construction-time layout. Plain DDP
-    shows this without cfdist; the README's "bit for bit" paragraph documents it.
+    shows this without cfdist; docs/guarantees.md (bit-exact resume on CPU) documents it.
     """
     if not torch.distributed.is_initialized():
         return model

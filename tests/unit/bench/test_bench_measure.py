@@ -219,3 +219,8 @@ def test_recovery_table_reads_bench_recovery_json():
     text = "\n".join(recovery_table(rec))
     assert "| memory | 3 | memory | 3 (10) | 0.040 | 0.030 | 0.025 | 0.007 | 0.106 [0.097-0.130] |" in text
     assert "Load average at its start 1.4, at its end 3.2." in text
+
+
+def test_the_full_reports_link_is_relative_to_the_page_that_holds_the_table():
+    assert report.relative_report_path("docs/bench", "docs/benchmarks.md") == "bench/report.md"
+    assert report.relative_report_path("docs/bench", "README.md") == "docs/bench/report.md"
