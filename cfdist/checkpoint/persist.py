@@ -252,7 +252,7 @@ class CommitGate:
 
 
 class GateDir:
-    """A folder of file :class:`CommitGate`\ s that a writer in another process on this node
+    """A folder of file gates (:class:`CommitGate`) that a writer in another process on this node
     (a writer process, a node actor) can claim: ``/dev/shm/cfdist-gates-<pid>-*``. Folders left
     by killed processes are removed when the next one is made; :meth:`close` removes this one."""
 

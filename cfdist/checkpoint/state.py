@@ -4,7 +4,7 @@ Entries are captured at two instants of the same step boundary (invariant 3):
 
 * **early** (right after ``optimizer.step()``, inside ``ckpt.step``): modules, optimizers and
   tensors (their tensors are copied by the snapshot), data iterators (their position is
-  "after batch i" only before the next batch is fetched), and ``GradScaler``\ s (updated inside
+  "after batch i" only before the next batch is fetched), and ``GradScaler`` objects (updated inside
   ``ckpt.step(opt, scaler)``; the next iteration's ``scaler.scale`` reads them). Of these, what
   a forward mutates in place (:func:`mutable_in_forward`) is copied before ``ckpt.step``
   returns, the rest while the next iteration runs;
