@@ -51,6 +51,30 @@ def new_lineage() -> dict:
     return {"run": uuid.uuid4().hex, "restores": []}
 
 
+def job_lineage(channel=None) -> dict:
+    """The lineage of a job's fresh start, the same on every rank: the first one proposed.
+
+    ``channel``: the Checkpointer's :class:`~cfdist.checkpoint.agreement.Channel` (None: one
+    process, a new lineage). Every rank proposes a new lineage with one atomic ``compare_set``
+    on the Store and keeps whichever landed first: one round trip, no waiting for another rank.
+    Call once per Checkpointer, at construction, on every rank.
+
+    Why one per job and not one per writer: the writers of one job (one per node under
+    ``cfdist.fit``, each to its node's disk) write copies of the same state. With a lineage each,
+    a node that restored another node's copy (a peer copy, the shared tier) inherited that
+    node's lineage, so its own older checkpoints looked like "another run" to retention and were
+    moved aside to ``rejected/`` at its next commit (two per node per such recovery with
+    ``keep=2``, in its memory and its local tier), and the shared tier moved aside every
+    upload of the previous uploading node.
+    """
+    mine = new_lineage()
+    if channel is None:
+        return mine
+    got = channel.store.compare_set(channel.key("lineage"), "", json.dumps(mine))
+    lin = lineage_of({"lineage": json.loads(got)})
+    return mine if lin is UNKNOWN else lin
+
+
 def after_restore(manifest: dict, step: int) -> dict:
     """The lineage of a run that restored ``step`` from ``manifest``."""
     lin = lineage_of(manifest)
