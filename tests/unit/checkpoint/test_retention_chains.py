@@ -61,7 +61,8 @@ TABLE = [
     # Incremental, intermittent: 18 is the base of 20; the fallback 16 needs 10 only
     (chains(10, INC4),                         1,  0,  (),       [18, 20],                          None),
     (chains(10, INC4),                         2,  0,  (),       [10, 16, 18, 20],                  16),
-    (chains(10, INC4),                         3,  0,  (),       [10, 16, 18, 20],                  None),   # 16 is a point
+    # keep=3: 16 is one of the three newest, which need nothing in common: no extra
+    (chains(10, INC4),                         3,  0,  (),       [10, 16, 18, 20],                  None),
     (chains(12, INC4),                         3,  0,  (),       [10, 16, 18, 20, 22, 24],          16),
     # a new full one: the keep newest are independent already, the old chain goes
     (chains(9, INC4),                          2,  0,  (),       [10, 16, 18],                      None),
