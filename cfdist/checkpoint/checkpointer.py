@@ -273,7 +273,7 @@ class Checkpointer:
                            persist_s=0.0, bytes=0, last_error=None, bytes_logical=0, bytes_written=0,
                            persist_waits=0, persist_wait_s=0.0, io=None)
         # This run's lineage (retention deletes only its ancestors); restore() replaces it.
-        self._lineage = retention.new_lineage()
+        self._lineage = retention.job_lineage(self._channel)   # one per job: every writer's copies match
         self._rolled_back: dict[int, str] = {}   # step -> why restore rolled back past it
         latest = discovery.find_latest([self.storages], retry=self.config.read_retry)
         self.latest_step: int | None = latest.step if latest else None

@@ -1,5 +1,8 @@
 """Rolling back never deletes: committed checkpoints a run rolled back past are moved aside.
 
+``rejected/`` is bounded: the newest few entries stay, and any entry that is the only copy of a
+step the run has not reached again.
+
 ::
 
     <root>/rejected/step-000000040-3fa2c1d9e0b4a761/
@@ -10,9 +13,26 @@
 A committed checkpoint leaves its live place only (a) through retention, when a newer checkpoint
 of the same lineage committed (:mod:`cfdist.checkpoint.retention`), or (b) through this module,
 when the run no longer descends from it: restore rejected it as corrupt, the user restored an
-older step, or a new run committed in the same directory. In case (b) it is moved here, never
-deleted; ``cfdist ls --all`` lists it and ``restore(step=...)`` / ``cfdist.load(url, step=...)``
-read it when no live checkpoint has that step.
+older step, or a new run committed in the same directory. In case (b) it is moved here, not
+deleted (only :func:`prune` deletes here, see below); ``cfdist ls --all`` lists it and
+``restore(step=...)`` / ``cfdist.load(url, step=...)`` read it when no live checkpoint has that
+step.
+
+**Under** ``cfdist.fit``. A recovery moves nothing aside when every node restores the step
+the controller chose: the newest step some node holds, copied to the others (peer copy or
+shared tier). What still lands here is a real rollback: a checkpoint committed after the
+controller chose an older step (a persist that finished late on one node), or one that
+failed verification. Until issue 19 each recovery moved 2-3 checkpoints per node here: every
+writer (one per node) drew its own lineage, so a node that restored another node's copy took
+that node's lineage and its own older checkpoints looked like another run's (moved aside at its
+next commit, in its memory and its local tier), and the shared tier moved aside each upload of
+the previous uploading node. One lineage per job
+(:func:`cfdist.checkpoint.retention.job_lineage`) ended that.
+
+**Bounded.** After each move, :func:`prune` keeps the :data:`KEEP` most recently moved
+entries of the storage (and, given ``max_bytes``, no more bytes than that), and deletes older
+ones unless an entry is the only copy of its step that is still ahead of the run: no live
+checkpoint there reaches its step and no other entry staying holds it (:func:`choose_prune`).
 
 The folder name is the step and its manifest's seal, so moving the same checkpoint again after a
 crash finds the same place. Order: secondary roots first, root 0 (which holds the commit) last;
@@ -26,14 +46,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
+from typing import Iterable
 
-from cfdist.checkpoint.format import MANIFEST, SEAL, step_dir
+from cfdist.checkpoint.format import MANIFEST, SEAL, parse_step_dir, step_dir
 from cfdist.storage import Storage
 
 log = logging.getLogger("cfdist.rejected")
 
 REJECTED = "rejected"
 REASON = "REASON.json"
+KEEP = 8
+"""How many of the most recently moved entries of ``rejected/`` (per storage) :func:`prune`
+keeps in any case; older ones stay only as the only copy of a step ahead of the run."""
 
 
 def _tag(st: Storage, step: int) -> str:
@@ -80,6 +105,7 @@ def move_aside(storages: list[Storage], step: int, *, why: str, replaced_by: int
         _move_dir(st, d, f"{dest}/{d}")
     log.warning("moved step %d of %s aside to %s (not deleted): %s", step, storages[0].url,
                 storages[0].url_of(dest), why)
+    prune(storages, keep=KEEP)
     return storages[0].url_of(dest)
 
 
@@ -121,3 +147,101 @@ def find(storages: list[Storage], step: int | None = None) -> list[tuple[str, li
     out.sort(key=lambda x: (x[0], x[1]), reverse=False)
     out.sort(key=lambda x: x[0], reverse=True)
     return [(tag, view, r) for _, _, tag, view, r in out]
+
+
+# ---- bounding rejected/ ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One checkpoint under ``rejected/``, as :func:`choose_prune` sees it."""
+
+    tag: str
+    step: int
+    when: float
+    """When it was moved aside (its REASON.json; 0.0 when unknown: the oldest)."""
+    nbytes: int = 0
+    """Its size (the manifest's ``bytes_stored`` or ``bytes``); only read when a byte bound is set."""
+
+
+def choose_prune(entries: Iterable[Entry], *, live: Iterable[int], keep: int = KEEP,
+                 max_bytes: int | None = None) -> list[str]:
+    """The tags of ``entries`` to delete (pure), most recently moved first.
+
+    Walking from the most recently moved: the first ``keep`` entries stay while their total
+    stays within ``max_bytes`` (None: no byte bound); from the first one past either bound on,
+    an entry is deleted unless it is **the only copy of a step still ahead of the run**: its
+    step is above every step in ``live`` (the storage's committed steps: the run has not reached
+    it again) and no entry staying (newer, or within the bound) holds that step. Such an entry
+    stays whatever the bounds: deleting it would lose the furthest state anyone committed.
+    """
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0 rejected entries, got {keep}")
+    live = set(live)
+    ahead_of = max(live, default=-1)
+    held: set[int] = set()
+    total, full, out = 0, False, []
+    for e in sorted(entries, key=lambda e: (e.when, e.step, e.tag), reverse=True):
+        full = full or len(held) >= keep or (max_bytes is not None and total + e.nbytes > max_bytes)
+        if not full:
+            held.add(e.step)
+        elif e.step > ahead_of and e.step not in held:
+            held.add(e.step)         # the only copy of a step ahead of the run: kept beyond the bound
+        else:
+            out.append(e.tag)
+            continue
+        total += e.nbytes
+    return out
+
+
+def _entries(st: Storage, *, sizes: bool) -> list[Entry]:
+    out = []
+    for tag in st.listdir(REJECTED):
+        step = parse_step_dir(tag.rsplit("-", 1)[0])
+        if step is None:
+            continue
+        when = reason(st, tag).get("when")
+        nbytes = 0
+        if sizes:
+            try:
+                m = json.loads(st.read_bytes(f"{REJECTED}/{tag}/{step_dir(step)}/{MANIFEST}"))
+                nbytes = int(m.get("bytes_stored") or m.get("bytes") or 0)
+            except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+                nbytes = 0
+        out.append(Entry(tag, step, float(when) if isinstance(when, (int, float)) else 0.0, nbytes))
+    return out
+
+
+def prune(storages: list[Storage], *, keep: int = KEEP, max_bytes: int | None = None) -> list[str]:
+    """Delete what :func:`choose_prune` chooses under ``rejected/`` of these storages; returns the
+    tags deleted. Each entry goes manifest first (un-committed), then its files on every root.
+
+    Blocking; call from the single writer of these storages (:func:`move_aside` calls it after
+    each move). Storage errors are logged, never raised: a move that succeeded stands, and what
+    could not be deleted is chosen again after the next move.
+    """
+    from cfdist.checkpoint.discovery import committed_steps
+
+    try:
+        entries = _entries(storages[0], sizes=max_bytes is not None)
+        if len(entries) <= keep:
+            return []
+        doomed = choose_prune(entries, live=committed_steps(storages[0]), keep=keep, max_bytes=max_bytes)
+    except OSError as e:
+        log.warning("could not list %s to bound it: %s", storages[0].url_of(REJECTED), e)
+        return []
+    done = []
+    for tag in doomed:
+        step = parse_step_dir(tag.rsplit("-", 1)[0])
+        try:
+            storages[0].remove(f"{REJECTED}/{tag}/{step_dir(step)}/{MANIFEST}")
+            for st in reversed(storages):     # root 0, with REASON.json, last
+                st.remove(f"{REJECTED}/{tag}")
+        except OSError as e:
+            log.warning("could not delete %s: %s (tried again after the next move)",
+                        storages[0].url_of(f"{REJECTED}/{tag}"), e)
+            continue
+        done.append(tag)
+    if done:
+        log.info("deleted %d older entries of %s beyond the newest %d: %s", len(done),
+                 storages[0].url_of(REJECTED), keep, ", ".join(done))
+    return done

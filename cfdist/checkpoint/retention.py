@@ -10,7 +10,14 @@ Rules (invariant 2), applied only right after a commit of ``newest``:
   (:mod:`cfdist.checkpoint.rejected`), never deleted;
 * **unknown** (its manifest could not be read or says nothing usable): neither. It stays;
 * a checkpoint that one staying depends on (the base and increments of a ``cfdist.codecs``
-  chain, listed in its manifest's ``depends_on``) stays as long as that one does.
+  chain, listed in its manifest's ``depends_on``) stays as long as that one does;
+* **an independent fallback** (``keep >= 2``): when every one of the ``keep`` newest restore
+  points needs one same checkpoint (with codecs: they all sit on one chain, whose base a single
+  flipped byte would make unusable), the newest older ancestor that needs none of those shared
+  checkpoints also stays, with its chain (typically the last checkpoint of the previous chain).
+  Then no single corrupt checkpoint leaves restore without a usable one. Without codecs every
+  checkpoint stands alone and this keeps nothing more; ``keep=1`` keeps one restore point and no
+  fallback, codecs or not.
 
 **Lineage.** Every manifest records ``"lineage": {"run": id, "restores": [s1, s2, ...]}``: ``run``
 is drawn when a Checkpointer starts without restoring, and inherited by restore, which appends the
@@ -42,6 +49,30 @@ ANONYMOUS = {"run": None, "restores": []}
 def new_lineage() -> dict:
     """The lineage of a run that starts without restoring."""
     return {"run": uuid.uuid4().hex, "restores": []}
+
+
+def job_lineage(channel=None) -> dict:
+    """The lineage of a job's fresh start, the same on every rank: the first one proposed.
+
+    ``channel``: the Checkpointer's :class:`~cfdist.checkpoint.agreement.Channel` (None: one
+    process, a new lineage). Every rank proposes a new lineage with one atomic ``compare_set``
+    on the Store and keeps whichever landed first: one round trip, no waiting for another rank.
+    Call once per Checkpointer, at construction, on every rank.
+
+    Why one per job and not one per writer: the writers of one job (one per node under
+    ``cfdist.fit``, each to its node's disk) write copies of the same state. With a lineage each,
+    a node that restored another node's copy (a peer copy, the shared tier) inherited that
+    node's lineage, so its own older checkpoints looked like "another run" to retention and were
+    moved aside to ``rejected/`` at its next commit (two per node per such recovery with
+    ``keep=2``, in its memory and its local tier), and the shared tier moved aside every
+    upload of the previous uploading node.
+    """
+    mine = new_lineage()
+    if channel is None:
+        return mine
+    got = channel.store.compare_set(channel.key("lineage"), "", json.dumps(mine))
+    lin = lineage_of({"lineage": json.loads(got)})
+    return mine if lin is UNKNOWN else lin
 
 
 def after_restore(manifest: dict, step: int) -> dict:
@@ -93,17 +124,60 @@ class Committed:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    """Retention's decision after one commit (data: logged, tested by tables)."""
+
     delete: list[int]
     move_aside: list[tuple[int, str]]
     """``(step, why)``."""
+    fallback: int | None = None
+    """The independent restore point kept beyond the ``keep`` newest (None: not needed, or no
+    ancestor offers one yet)."""
+    shared: tuple[int, ...] = ()
+    """The checkpoints that every one of the ``keep`` newest restore points needs: one flipped
+    byte in any of them would leave those restore points unusable (empty without codecs)."""
+
+
+def needs(step: int, by_step: dict[int, Committed]) -> frozenset[int]:
+    """The checkpoints a restore of ``step`` reads (pure): itself and its ``depends`` (the
+    manifest's ``depends_on``, which already lists every link a decode reads: the base of an
+    intermittent increment, the whole chain of a consecutive one, the union over several chain
+    codecs). Not followed further: a reference is read only for the tensors encoded against it,
+    and those it holds whole or lists in its own chain, which ``step``'s list includes."""
+    c = by_step.get(step)
+    return frozenset((step, *(c.depends if c is not None else ())))
+
+
+def independent_fallback(points: list[int], older: list[int],
+                         by_step: dict[int, Committed]) -> tuple[int | None, frozenset[int]]:
+    """``(fallback, shared)``: ``shared`` is what every restore point in ``points`` needs (the
+    intersection of their :func:`needs`); when it is not empty, ``fallback`` is the first step of
+    ``older`` (newest first) whose needs avoid ``shared`` and is wholly committed and readable,
+    else None. Pure. With fewer than two points there is nothing to fall back from: ``(None, {})``.
+    """
+    if len(points) < 2:
+        return None, frozenset()
+    shared = frozenset.intersection(*(needs(p, by_step) for p in points))
+    if not shared:
+        return None, shared
+    for s in older:
+        need = needs(s, by_step)
+        if not need & shared and all(d in by_step and by_step[d].epoch_end is not None for d in need):
+            return s, shared
+    return None, shared
 
 
 def choose(committed: list[Committed], *, keep: int, keep_epoch_ends: int | bool, newest: int) -> Plan:
-    """What to do with each committed checkpoint right after ``newest`` committed (pure)."""
+    """What to do with each committed checkpoint right after ``newest`` committed (pure).
+
+    Kept restore points: the ``keep`` newest ancestors (``newest`` counts), the
+    ``keep_epoch_ends`` most recent epoch ends, and (``keep >= 2``) the independent fallback of
+    :func:`independent_fallback`; then every checkpoint that a staying one needs (its chain).
+    """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     by_step = {c.step: c for c in committed}
     top = by_step.get(newest, Committed(newest))
+    by_step.setdefault(newest, top)
     top_lin = ANONYMOUS if top.lineage is None else top.lineage
     ancestors, aside = [], []
     for c in sorted(committed, key=lambda c: c.step, reverse=True):
@@ -120,14 +194,17 @@ def choose(committed: list[Committed], *, keep: int, keep_epoch_ends: int | bool
             ancestors.append(c)
     # the keep newest (the one just committed counts), plus the keep_epoch_ends most recent epoch
     # ends (the newest counts if it is one); a checkpoint may be both
-    kept = {c.step for c in ancestors[:keep - 1]}
+    points = [top.step, *(c.step for c in ancestors[:keep - 1])]
+    fallback, shared = independent_fallback(points, [c.step for c in ancestors[keep - 1:]], by_step)
+    kept = set(points) | ({fallback} if fallback is not None else set())
     ends = [c.step for c in [top, *ancestors] if c.epoch_end]
     kept.update(ends if keep_epoch_ends is True else ends[:int(keep_epoch_ends)])
     delete = [c.step for c in ancestors if c.epoch_end is not None and c.step not in kept]  # unknown stays
     gone = set(delete) | {s for s, _ in aside}
-    needed = {d for c in [*committed, top] if c.step not in gone for d in c.depends}
+    needed = set().union(*(needs(s, by_step) for s in by_step if s not in gone))
     return Plan(delete=sorted(s for s in delete if s not in needed),
-                move_aside=sorted((s, why) for s, why in aside if s not in needed))
+                move_aside=sorted((s, why) for s, why in aside if s not in needed),
+                fallback=fallback, shared=tuple(sorted(shared)))
 
 
 def choose_deletions(committed: list[tuple[int, bool]], *, keep: int, keep_epoch_ends: int | bool,
@@ -207,6 +284,11 @@ def apply(storages, *, keep: int, keep_epoch_ends: int | bool, newest: int, newe
     _forget(storages[0], newest)
     committed = [_info(storages[0], s, cached=s != newest) for s in committed_steps(storages[0])]
     plan = choose(committed, keep=keep, keep_epoch_ends=keep_epoch_ends, newest=newest)
+    if plan.shared:
+        log.debug("retention in %s after step %d: the %d newest restore points all need step(s) %s; %s",
+                  storages[0].url, newest, keep, list(plan.shared),
+                  f"keeping step {plan.fallback} (and its chain) as the independent fallback"
+                  if plan.fallback is not None else "no older independent restore point exists yet")
     for s, why in plan.move_aside:
         why = f"{(reasons or {})[s]}; then {why}" if s in (reasons or {}) else why
         try:

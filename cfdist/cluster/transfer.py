@@ -69,7 +69,9 @@ def _sums(m: dict) -> dict:
 def holds_same(dst: list[Storage], step: int, manifest: dict) -> bool:
     """Whether ``dst`` has committed this very checkpoint of ``step`` (``manifest``: the
     source's), as a whole copy or as slices uploaded by several nodes (same time and checksums,
-    or, sliced, the same ``source_time``)."""
+    or, sliced, the same ``source_time``), or the same state written by another writer of the
+    job (another node's copy: same lineage, tensor checksums and RNG states). A copy of the
+    same state is not a different checkpoint: it is neither rewritten nor moved aside."""
     if not is_committed(dst[0], step):   # by key: a lagging listing may hide it
         return False
     try:
@@ -77,13 +79,23 @@ def holds_same(dst: list[Storage], step: int, manifest: dict) -> bool:
     except CheckpointError:
         return False
     return ((here.get("time"), _sums(here)) == (manifest.get("time"), _sums(manifest))
-            or (here.get("split") is not None and here.get("source_time") == manifest.get("time")))
+            or (here.get("split") is not None and here.get("source_time") == manifest.get("time"))
+            or _same_state(here, manifest))
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    """Two manifests of one step that hold the same state: the same lineage (the same job's
+    history), the same tensors and checksums, the same RNG states and data position."""
+    keys = ("lineage", "rng", "rngs", "late", "epoch", "epoch_end")
+    return (a.get("lineage") is not None and all(a.get(k) == b.get(k) for k in keys)
+            and _sums(a) == _sums(b) and None not in _sums(a).values())
 
 
 def commit_frozen(frozen: Frozen, step: int, dst: list[Storage], *, source: str, keep: int) -> bool:
     """Commit a frozen checkpoint into ``dst`` (blocking); then apply retention there.
 
-    Returns False (and writes nothing) when ``dst`` already holds this very checkpoint. A
+    Returns False (and writes nothing) when ``dst`` already holds this very checkpoint, or the
+    same state from another writer of the job (:func:`holds_same`). A
     different checkpoint of the same step there (from a run that rolled back past it) is moved
     aside to ``rejected/``; a leftover uncommitted directory of the same step is removed.
     """

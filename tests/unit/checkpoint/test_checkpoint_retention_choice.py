@@ -124,3 +124,22 @@ def test_an_unreadable_manifest_is_unknown_and_not_cached():
     assert retention._is_epoch_end(st, 8) is None
     assert retention._is_epoch_end(st, 8) is True
     assert st.reads == 2
+
+
+def test_every_rank_of_a_job_starts_with_the_same_lineage():
+    """``job_lineage`` through a real c10d HashStore: the ranks' Channels (built in any order)
+    get the lineage proposed first; without a channel (one process) each call draws a new one.
+    The point: the writers of one job (one per node under ``cfdist.fit``) write one lineage, so
+    a node that restores another node's copy keeps its own history (issue 19, item 6)."""
+    import torch.distributed as dist
+
+    from cfdist.checkpoint.agreement import Channel
+    from cfdist.checkpoint.retention import job_lineage
+
+    store = dist.HashStore()
+    chans = [Channel(store, rank=r, world_size=3, timeout_s=5.0) for r in (2, 0, 1)]
+    got = [job_lineage(c) for c in chans]
+    assert got[0] == got[1] == got[2] and got[0]["restores"] == [] and isinstance(got[0]["run"], str)
+    second = [job_lineage(Channel(store, rank=r, world_size=3, timeout_s=5.0)) for r in (0, 1, 2)]
+    assert second[0] == second[1] == second[2] != got[0]   # a second Checkpointer: a new job lineage
+    assert job_lineage(None) != job_lineage(None)
