@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cfdist
-from cfdist.checkpoint.persist import FuturePending
+from cfdist.checkpoint.persist import FuturePending, GateDir
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
 from cfdist.cluster.node_actor import SHM_ROOT, NodeCheckpointer, StaleAttempt, memory_root
@@ -32,14 +32,22 @@ class InProcess:
         self.actor, self.attempt = actor, attempt
         self.ex = cf.ThreadPoolExecutor(1)
         self.sent_bytes = []
+        self.gates = GateDir()   # file gates: they pickle, as ActorBackend's do
+
+    def new_gate(self, step):
+        return self.gates.new(step)
+
+    def ready_at(self):
+        return 0.0
 
     def submit(self, job):
         blob = pickle.dumps(job)
         self.sent_bytes.append(len(blob))
-        return FuturePending(self.ex.submit(self.actor.persist, pickle.loads(blob), self.attempt), job.step)
+        return FuturePending(self.ex.submit(self.actor.persist, pickle.loads(blob), self.attempt), job.step, job.gate)
 
     def close(self):
         self.ex.shutdown()
+        self.gates.close()
 
 
 def _state(seed=0):
