@@ -13,7 +13,7 @@ import torch
 
 import cfdist
 from cfdist.storage import open_storage
-from cfdist.storage.faults import flaky
+from cfdist.testing import flaky
 
 
 def test_every_name_in_all_is_importable():
