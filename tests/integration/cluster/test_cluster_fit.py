@@ -441,7 +441,7 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
     a, b = (remote.options(num_cpus=0).remote(config=cfg, run_id="sl", node_id=n * 16, node_name=n) for n in "AB")
     ray.get([a.begin_attempt.remote(1, shared_writer=True, peers=[b]), b.begin_attempt.remote(1, shared_writer=False)])
     shared = f"{base}/r"
-    from cfdist.checkpoint.discovery import is_committed
+    from cfdist.checkpoint.reader import is_committed
     from cfdist.storage import open_storages
 
     def committed(step):
@@ -511,7 +511,7 @@ def test_shared_writers_n_uploads_from_exactly_n_nodes(fake_cluster, tmp_path):
     2. B's tier lacks step 3 (its writer stopped at step 2): the helper is C, the next node
        holding it; C's different BatchNorm statistics are A's, written by A; bit-exact again.
     """
-    from cfdist.checkpoint.discovery import is_committed
+    from cfdist.checkpoint.reader import is_committed
     from cfdist.cluster.config import FitConfig
     from cfdist.cluster.node_actor import NodeCheckpointer
     from cfdist.storage import open_storages
