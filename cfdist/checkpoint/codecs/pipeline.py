@@ -56,9 +56,10 @@ def validate_codecs(codecs) -> tuple[Codec, ...]:
     return codecs
 
 
-def resolve_codecs(codecs, policy, history: dict | None) -> tuple[Codec, ...]:
-    """Validate ``codecs`` and resolve ``Quantize(bits="auto")`` with the MTBF the policy uses
-    (``cfdist.Auto``'s, given or estimated) or, for other policies, the run's restart history."""
+def resolve_codecs(codecs, *, mtbf_s: float | None, history: dict | None) -> tuple[Codec, ...]:
+    """Validate ``codecs`` and resolve ``Quantize(bits="auto")`` with ``mtbf_s``, the MTBF the
+    policy uses (``cfdist.Auto``'s, given or estimated), or when it is None with the MTBF of the
+    run's restart history."""
     import time
 
     from cfdist.checkpoint.codecs.quantize import Quantize
@@ -67,7 +68,7 @@ def resolve_codecs(codecs, policy, history: dict | None) -> tuple[Codec, ...]:
     codecs = validate_codecs(codecs)
     if not any(isinstance(c, Quantize) and c.bits == "auto" for c in codecs):
         return codecs
-    mtbf = getattr(policy, "mtbf_s", None)
+    mtbf = mtbf_s
     if mtbf is None and history:
         mtbf = estimate_mtbf([r["time"] for r in history.get("restarts", []) if "time" in r], now_s=time.time())
     return tuple(c.resolve(mtbf_s=mtbf) if isinstance(c, Quantize) else c for c in codecs)
