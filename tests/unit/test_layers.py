@@ -206,8 +206,13 @@ def test_no_import_cycles():
                           f"that owns it (an import inside a function still counts):\n{msg}")
 
 
+def _upward(edges: list[Edge]) -> list[Edge]:
+    """The edges from a module to one of a higher layer."""
+    return [e for e in edges if e.dst in MODULES and RANK[_part(e.dst)] > RANK[_part(e.src)]]
+
+
 def test_imports_point_down_the_layers():
-    bad = [e for e in EDGES if e.dst in MODULES and RANK.get(_part(e.dst), 0) > RANK.get(_part(e.src), 0)]
+    bad = _upward(EDGES)
     lines = [f"  {e.src} ({LAYER_OF[_part(e.src)]}) -> {e.dst} ({LAYER_OF[_part(e.dst)]})   ({e.where})"
              for e in bad]
     assert bad == [], "imports against the layer map of ARCHITECTURE.md (a layer imports only itself and below):\n" \
@@ -235,6 +240,15 @@ def test_the_cycle_finder_reports_every_edge_of_a_cycle_with_its_line():
     (cycle,) = _cycles(edges)
     assert [(e.src, e.dst, e.where) for e in cycle] == [(a, b, "a.py:1"), (b, c, "b.py:2"), (c, a, "c.py:3")]
     assert _cycles(edges[:2]) == []
+
+
+def test_an_import_up_the_layers_is_caught_and_one_down_or_across_is_not():
+    e = lambda src, dst: Edge(src, dst, "x.py:1", False)   # noqa: E731
+    up = [e("cfdist.storage.base", "cfdist.checkpoint.format"), e("cfdist.checkpoint.persist", "cfdist.cluster.worker"),
+          e("cfdist.chaos.events", "cfdist.api"), e("cfdist.cluster.worker", "cfdist")]
+    ok = [e("cfdist.checkpoint.persist", "cfdist.storage.base"), e("cfdist.cluster.worker", "cfdist.chaos.events"),
+          e("cfdist.checkpoint.persist", "cfdist.checkpoint.format"), e("cfdist.api", "cfdist.cluster.worker")]
+    assert _upward(up + ok) == up
 
 
 def test_relative_and_function_level_imports_are_edges():
