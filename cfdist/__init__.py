@@ -1,6 +1,8 @@
 """cfdist: iteration-level checkpointing and preemption-tolerant data-parallel training.
 
-Everything users may import is listed in ``__all__``; anything else can change.
+Everything users may import is listed in ``__all__``; anything else can change. Also public:
+:mod:`cfdist.testing`, fault-injecting storage to test a training loop's recovery with (imported
+on its own: ``import cfdist`` does not load it).
 """
 
 from cfdist import codecs

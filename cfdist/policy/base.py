@@ -60,6 +60,7 @@ class Policy(Protocol):
     Required: :meth:`should_checkpoint` and :meth:`observe`. The others are optional for a policy
     that does not derive from :class:`PolicyBase`; the checkpointer then uses PolicyBase's
     defaults (:func:`as_policy`). Not called concurrently: a policy need not be thread-safe.
+    ``isinstance(p, Policy)`` holds for objects that have every hook (PolicyBase's subclasses).
     """
 
     k: int | None
