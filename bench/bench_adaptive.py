@@ -10,7 +10,7 @@ runs:
 
 One process, one small MLP (about 4 MiB of state), a short sleep per step for a steady
 iteration time, the real ``cfdist.Checkpointer`` writing to a ``file://`` directory through
-``cfdist.storage.faults.throttle`` at ``--rate-mb`` MB/s, cut ``--slowdown`` times after
+``cfdist.testing.throttle`` at ``--rate-mb`` MB/s, cut ``--slowdown`` times after
 ``--before`` steps. Modes, run one after the other on the same machine:
 
 * ``none``      no checkpointing (the baseline time of every phase);
@@ -45,7 +45,7 @@ from cfdist.checkpoint import Checkpointer
 from cfdist.policy import Auto, Every, PolicyContext, TunerConfig
 from cfdist.policy.sim import simulate
 from cfdist.storage import open_storage
-from cfdist.storage.faults import throttle
+from cfdist.testing import throttle
 
 MB = 1 << 20
 

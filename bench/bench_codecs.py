@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import cfdist
-from cfdist.checkpoint import discovery
+from cfdist.checkpoint import reader
 from cfdist.checkpoint.codecs import chain, pipeline
 from cfdist.checkpoint.persist import PersistJob, ShardJob, write_checkpoint
 from cfdist.checkpoint.snapshot import plan_layout
@@ -88,8 +88,8 @@ def throughput(rows: int, dim: int, reps: int = 2) -> list[dict]:
             best_e = min(best_e, time.thread_time() - t0)
             stored_bytes = enc.nbytes
             write_checkpoint(sts, job)
-            m = discovery.read_manifest(sts, 2)
-            raw = discovery.read_tensors(sts, 2, m, decode=False)
+            m = reader.read_manifest(sts, 2)
+            raw = reader.read_stored(sts, 2, m)
             t0 = time.thread_time()
             pipeline.decode_tensors(sts, 2, m, raw)
             best_d = min(best_d, time.thread_time() - t0)

@@ -1,11 +1,14 @@
 """cfdist: iteration-level checkpointing and preemption-tolerant data-parallel training.
 
-Everything users may import is listed in ``__all__``; anything else can change.
+Everything users may import is listed in ``__all__``; anything else can change. Also public:
+:mod:`cfdist.testing`, fault-injecting storage to test a training loop's recovery with (imported
+on its own: ``import cfdist`` does not load it).
 """
 
 from cfdist import codecs
 from cfdist.api import fit
 from cfdist.checkpoint import AgreementError, CheckpointError, Checkpointer, list_checkpoints, load
+from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
 from cfdist.cluster import FitError, FitResult, TrainContext
 from cfdist.data import DALIResumableIterator, ResumableLoader, ResumableSampler
 from cfdist.policy import Auto, Every, EveryEpoch
@@ -14,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgreementError", "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
-    "FitError", "FitResult", "ResumableLoader", "ResumableSampler", "TrainContext", "fit",
+    "FitError", "FitResult", "ResumableLoader", "ResumableSampler", "RetryPolicy", "StorageUnavailable", "TrainContext",
+    "fit",
     "codecs", "list_checkpoints", "load", "__version__",
 ]

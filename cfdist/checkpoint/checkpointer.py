@@ -43,7 +43,7 @@ from cfdist.checkpoint.pipeline import PersistPipeline
 from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.checkpoint.retry import RetryPolicy
 from cfdist.checkpoint.snapshot import Snapshotter
-from cfdist.policy.base import StepMeasurement
+from cfdist.policy.base import StepMeasurement, as_policy
 from cfdist.storage import open_storages
 from cfdist.storage.direct import check_mode as check_io, resolve as resolve_io
 from cfdist.storage.redact import redact
@@ -226,8 +226,7 @@ class Checkpointer:
         else:
             self.writer = (self.rank == 0) if writer is None else bool(writer)
         self.policy = policy if policy is not None else _default_policy()
-        if not (hasattr(self.policy, "should_checkpoint") and hasattr(self.policy, "observe")):
-            raise TypeError(f"policy must be a cfdist policy (Every, EveryEpoch, Auto), got {self.policy!r}")
+        self._policy = as_policy(self.policy)   # every hook of cfdist.policy.Policy; TypeError if not a policy
         if isinstance(backend, str):
             # the filesystem's own options: storage_options plus any credentials taken from the URL
             self.backend: PersistBackend = (ProcessBackend(self.storages, dict(self.storages[0].fs.storage_options))
@@ -287,7 +286,7 @@ class Checkpointer:
                 self._fetch_hooked = True
         self._copies_reported = 0
         self._bind_policy()
-        self.codecs = resolve_codecs(codecs, self.policy, self._read_json(HISTORY))
+        self.codecs = resolve_codecs(codecs, mtbf_s=self._policy.mtbf_s, history=self._read_json(HISTORY))
         self._codec_session = uuid.uuid4().hex
 
     def _slice_plan(self, writer: bool | None, codecs) -> "slices.Slicer | None":
@@ -326,12 +325,8 @@ class Checkpointer:
 
     # ---- policy wiring -------------------------------------------------------------------------
     def _bind_policy(self) -> None:
-        if not hasattr(self.policy, "bind"):
-            return
         from cfdist.policy import base as pb
 
-        if not hasattr(pb, "PolicyContext"):
-            return
         nbytes, layout = 0, []
         for k, obj in self.state.items():
             if self._kinds[k] == st.EARLY:
@@ -360,7 +355,7 @@ class Checkpointer:
         cached = self._from_rank0("profile", lambda: self._read_json(self._profile_name))
         if cached is not None:
             ctx = pb.PolicyContext(**{**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__}, "cached_profile": cached})
-        self.policy.bind(ctx)
+        self._policy.bind(ctx)
 
     def _from_rank0(self, what: str, read):
         """``read()`` on rank 0, and the same (JSON) value on every other rank, through the
@@ -382,8 +377,7 @@ class Checkpointer:
             return None
 
     def _save_profile(self) -> None:
-        fn = getattr(self.policy, "profile_to_save", None)
-        prof = fn() if fn else None
+        prof = self._policy.profile_to_save()
         if prof is not None and self._commits and getattr(self, "_profile_name", None):
             try:
                 self.storages[0].write_atomic(self._profile_name, json.dumps(prof).encode())
@@ -454,7 +448,7 @@ class Checkpointer:
         if self._snap.copies != self._copies_reported:  # a copy finished since the last report
             self._copies_reported = self._snap.copies
             snapshot_s = self._snap.last_copy_s
-        self.policy.observe(StepMeasurement(
+        self._policy.observe(StepMeasurement(
             step=self._step, iter_s=iter_s, stall_s=stall, update_s=update_s,
             snapshot_s=snapshot_s, snapshot_device=self._snap.last_device,
             persist_s=pd[0] if pd else None, persist_bytes=pd[1] if pd else None,
@@ -465,12 +459,11 @@ class Checkpointer:
 
     def _agreed_decision(self, epoch_end: bool) -> bool:
         """Whether this step is a checkpoint step: the same answer on every rank."""
-        propose = getattr(self.policy, "proposal", None)
-        k, save_now = self._freq.at_step(self._step, propose if propose is not None else (lambda: 0))
-        if k and k != self._agreed_k and hasattr(self.policy, "agreed"):
+        k, save_now = self._freq.at_step(self._step, self._policy.proposal)
+        if k and k != self._agreed_k:
             self._agreed_k = k
-            self.policy.agreed(k, self._step)
-        return bool(self.policy.should_checkpoint(self._step, epoch_end=epoch_end)) or save_now
+            self._policy.agreed(k, self._step)
+        return bool(self._policy.should_checkpoint(self._step, epoch_end=epoch_end)) or save_now
 
     _gate_stall = 0.0
 
@@ -578,8 +571,8 @@ class Checkpointer:
         s = self._stats
         n = max(s["checkpoints"], 1)
         out = {
-            "steps": self._step, "checkpoints": s["checkpoints"], "k": getattr(self.policy, "k", None),
-            "mode": getattr(self.policy, "mode", None), "latest_step": self.latest_step,
+            "steps": self._step, "checkpoints": s["checkpoints"], "k": self._policy.k,
+            "mode": self._policy.mode, "latest_step": self.latest_step,
             "mean_stall_s": s["stall_s"] / max(s["snapshots"], 1),
             "mean_snapshot_s": s["snapshot_s"] / max(s["snapshots"], 1),
             "mean_persist_s": s["persist_s"] / n, "bytes": s["bytes"], "errors": s["errors"],
@@ -592,9 +585,7 @@ class Checkpointer:
             "inflight": sum(1 for p, _ in self._inflight if not p.done()), "io": s["io"],
             "files_reused": s["files_reused"],
         }
-        extra = getattr(self.policy, "stats", None)
-        if callable(extra):
-            out.update({k: v for k, v in extra().items() if k not in ("checkpoints", "errors", "bytes")})
+        out.update({k: v for k, v in self._policy.stats().items() if k not in ("checkpoints", "errors", "bytes")})
         return out
 
     # ---- phase 1 and the boundary --------------------------------------------------------------
@@ -621,7 +612,7 @@ class Checkpointer:
         self._stats["snapshots"] += 1
         self._snapped_step = self._step
         if self.writer:
-            mode = getattr(self.policy, "mode", "cpu")
+            mode = self._policy.mode
             self._snap.select(slot)
             first = st.mutable_in_forward(self.state, tensors)
             if self._slicer is not None:   # this rank's slice only: whole tensors and pieces

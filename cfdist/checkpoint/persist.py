@@ -361,7 +361,7 @@ class _ArenaHasher:
 
 def _write_hint(storage: Storage, step: int) -> None:
     """Record the step just committed for discovery behind a lagging listing (best effort)."""
-    from cfdist.checkpoint.discovery import LATEST_HINT
+    from cfdist.checkpoint.reader import LATEST_HINT
 
     try:
         storage.write_atomic(LATEST_HINT, json.dumps({"step": step}).encode())
@@ -775,7 +775,7 @@ class ProcessBackend:
         return out
 
     def _committed_anyway(self, job: PersistJob, seconds: float) -> CommitInfo | None:
-        from cfdist.checkpoint.discovery import is_committed, read_manifest
+        from cfdist.checkpoint.reader import is_committed, read_manifest
 
         if job.gate is None or not job.gate.claimed_for_commit():
             return None

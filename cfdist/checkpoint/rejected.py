@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from cfdist.checkpoint.format import MANIFEST, SEAL, parse_step_dir, step_dir
+from cfdist.checkpoint.reader import committed_steps
 from cfdist.storage import Storage
 
 log = logging.getLogger("cfdist.rejected")
@@ -219,8 +220,6 @@ def prune(storages: list[Storage], *, keep: int = KEEP, max_bytes: int | None = 
     each move). Storage errors are logged, never raised: a move that succeeded stands, and what
     could not be deleted is chosen again after the next move.
     """
-    from cfdist.checkpoint.discovery import committed_steps
-
     try:
         entries = _entries(storages[0], sizes=max_bytes is not None)
         if len(entries) <= keep:

@@ -37,6 +37,7 @@ import uuid
 from dataclasses import dataclass
 
 from cfdist.checkpoint.format import MANIFEST, step_dir
+from cfdist.checkpoint.reader import committed_steps
 
 log = logging.getLogger("cfdist.retention")
 
@@ -279,7 +280,6 @@ def apply(storages, *, keep: int, keep_epoch_ends: int | bool, newest: int, newe
     must not fail the commit that just succeeded (what it could not do stays for the next commit).
     """
     from cfdist.checkpoint import rejected
-    from cfdist.checkpoint.discovery import committed_steps
 
     _forget(storages[0], newest)
     committed = [_info(storages[0], s, cached=s != newest) for s in committed_steps(storages[0])]

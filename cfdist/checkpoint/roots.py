@@ -23,6 +23,7 @@ import time
 import uuid
 
 from cfdist.checkpoint.format import MANIFEST, TMP_MARK, parse_step_dir, step_dir
+from cfdist.checkpoint.reader import committed_steps
 from cfdist.storage import Storage
 
 log = logging.getLogger("cfdist.roots")
@@ -83,8 +84,6 @@ def _legacy_check(storages: list[Storage], ids: list, dirs: list[list[str]]) -> 
     """Roots without identity files: root 0 must commit what the others hold, where they hold it."""
     if len(storages) == 1:
         return
-    from cfdist.checkpoint.discovery import committed_steps
-
     committed = committed_steps(storages[0])
     if not committed:
         if any(dirs[1:]):

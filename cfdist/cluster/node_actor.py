@@ -47,9 +47,10 @@ import uuid
 import torch
 
 from cfdist.checkpoint import slices
-from cfdist.checkpoint.discovery import committed_steps, is_committed, read_manifest, read_tensors, sweep
+from cfdist.checkpoint.discovery import read_tensors, sweep
 from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TMP_MARK, TensorEntry, step_dir
 from cfdist.checkpoint.persist import CommitInfo, GateDir, PersistJob, ShardJob, pid_alive, write_checkpoint
+from cfdist.checkpoint.reader import committed_steps, is_committed, read_manifest
 from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig

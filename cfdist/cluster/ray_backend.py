@@ -18,7 +18,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cfdist.checkpoint.discovery import committed_steps
+from cfdist.checkpoint.reader import committed_steps
 from cfdist.checkpoint.format import step_dir
 from cfdist.cluster import nodes as nodes_mod
 from cfdist.cluster.config import FitConfig

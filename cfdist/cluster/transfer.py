@@ -12,8 +12,9 @@ Call from a node actor (any thread); nothing here talks to Ray.
 from __future__ import annotations
 
 from cfdist.checkpoint import rejected, retention
-from cfdist.checkpoint.discovery import copy_checkpoint, is_committed, read_manifest
+from cfdist.checkpoint.discovery import copy_checkpoint
 from cfdist.checkpoint.format import MANIFEST, CheckpointError, step_dir
+from cfdist.checkpoint.reader import is_committed, read_manifest
 from cfdist.storage import Storage
 
 Frozen = list[dict[str, bytes]]

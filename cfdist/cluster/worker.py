@@ -73,7 +73,8 @@ class RankWorker:
         """A spare (created with ``info=None``) gets ready for a role: imports what a rank needs;
         ``train_fn`` (an object ref, resolved by Ray) imports the training function's modules.
         Returns the pid."""
-        import cfdist  # noqa: F401
+        # (``cfdist`` itself, with the checkpoint, data and policy layers, is loaded already: it
+        # is this module's parent package.)
         from cfdist.cluster import node_actor  # noqa: F401 - the ActorBackend of ctx.checkpointer
 
         if not dist.is_initialized():

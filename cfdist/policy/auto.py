@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from cfdist.policy import freq, profiler
-from cfdist.policy.base import PolicyContext, StepMeasurement, profile_key
+from cfdist.policy.base import PolicyBase, PolicyContext, StepMeasurement, profile_key
 from cfdist.policy.tuner import Tuner, TunerConfig
 
 log = logging.getLogger("cfdist.policy")
@@ -79,7 +79,7 @@ class AutoConfig:
             raise TypeError(f"Auto(tuning=...) takes a TunerConfig, got {type(self.tuning).__name__}")
 
 
-class Auto:
+class Auto(PolicyBase):
     """The self-tuning checkpoint policy (the default of :class:`cfdist.Checkpointer`).
 
     Called by the checkpointer from the training thread: ``bind`` once, then per step

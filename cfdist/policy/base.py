@@ -1,28 +1,21 @@
 """The policy protocol: when to checkpoint, given what was measured.
 
-The :class:`~cfdist.checkpoint.Checkpointer` calls, on every rank, once per training step:
+:class:`Policy` lists every hook the :class:`~cfdist.checkpoint.Checkpointer` calls, with when
+and from which thread. Two are required (``should_checkpoint`` and ``observe``): any object with
+those two methods is a policy, and the checkpointer gives it the defaults of :class:`PolicyBase`
+for the hooks it lacks (:func:`as_policy`). The built-in policies (``Every``, ``EveryEpoch``,
+``Auto``, ``MemoryEvery``) derive from :class:`PolicyBase`; a new one can too, and override what
+it needs::
 
-1. ``policy.should_checkpoint(step, epoch_end=...)`` right after the optimizer step of ``step``
-   (1-based count of optimizer steps). It must return the same answer on every rank for the same
-   step: decide from the step count and from numbers every rank agrees on, never from a
-   rank-local clock.
-2. ``policy.observe(m)`` with a :class:`StepMeasurement` after that step (timings of this rank).
+    class EveryHundred(cfdist.policy.PolicyBase):
+        def should_checkpoint(self, step, *, epoch_end=False):
+            return step % 100 == 0
 
-Policies do no I/O and no collectives. ``k`` (the current interval, or None) and ``mode``
-(``"cpu"``/``"gpu"``/``"epoch"``) appear in ``Checkpointer.stats``.
+        def observe(self, m):
+            pass
 
-Optional hooks, called by the checkpointer when a policy has them (``cfdist.Auto`` does):
-
-* ``bind(ctx: PolicyContext)`` once, at the checkpointer's construction, before any step;
-* ``profile_to_save() -> dict | None``: a JSON-able profile to write (atomically) to storage as
-  ``profile-{profile_key(ctx)}.json``; None when there is nothing new. Safe to call every step;
-* ``stats() -> dict``: merged into ``Checkpointer.stats``;
-* ``proposal() -> int`` and ``agreed(k, step)``: a policy whose interval comes from rank-local
-  measurements proposes ``k`` (0: none yet); the checkpointer publishes rank 0's proposal and
-  calls ``agreed(k, step)`` on every rank with the value in force from ``should_checkpoint(step)``
-  on, at the same step everywhere (:mod:`cfdist.checkpoint.agreement`: at once in one process,
-  a few steps later through the c10d Store on several ranks). The policy never talks to the
-  store itself.
+Policies do no I/O and no collectives: what they need from storage or from other ranks comes in
+through ``bind`` and ``agreed``, and what they want stored goes out through ``profile_to_save``.
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+import abc
 from typing import Protocol, runtime_checkable
 
 
@@ -61,16 +55,173 @@ class StepMeasurement:
 
 @runtime_checkable
 class Policy(Protocol):
+    """Every hook the Checkpointer calls on its policy, all from the training thread, on every rank.
+
+    Required: :meth:`should_checkpoint` and :meth:`observe`. The others are optional for a policy
+    that does not derive from :class:`PolicyBase`; the checkpointer then uses PolicyBase's
+    defaults (:func:`as_policy`). Not called concurrently: a policy need not be thread-safe.
+    ``isinstance(p, Policy)`` holds for objects that have every hook (PolicyBase's subclasses).
+    """
+
     k: int | None
+    """The checkpoint interval in force (optimizer steps), or None when there is none (yet);
+    read for ``Checkpointer.stats`` after any step. Default None."""
     mode: str
+    """Where snapshots go: ``"cpu"``, ``"gpu"`` (spare GPU memory first) or ``"epoch"`` (taken as
+    ``"cpu"``); read at each snapshot and for ``stats``. Default ``"cpu"``."""
+    mtbf_s: float | None
+    """The mean time between failures the policy assumes (seconds), or None; read once at the
+    checkpointer's construction, after :meth:`bind`, to resolve ``Quantize(bits="auto")``.
+    Default None."""
 
-    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool: ...
+    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
+        """Whether to checkpoint at ``step`` (1-based count of optimizer steps), asked once per
+        step right after its optimizer step (``ckpt.step()``), after :meth:`agreed` for that
+        step. Must return the same answer on every rank for the same step: decide from the step
+        count and from numbers every rank agrees on, never from a rank-local clock. Required."""
+        ...
 
-    def observe(self, m: StepMeasurement) -> None: ...
+    def observe(self, m: StepMeasurement) -> None:
+        """This rank's timings of the step just finished, once per step after
+        :meth:`should_checkpoint` for it (rank-local numbers: never decide from them alone; see
+        :meth:`proposal`). Required."""
+        ...
+
+    def bind(self, ctx: PolicyContext) -> None:
+        """What the job looks like (state size, world size, cached profile, failure history),
+        once, in the checkpointer's constructor, before any step. Every rank gets the same
+        context except ``rank``. Default: nothing."""
+        ...
+
+    def proposal(self) -> int:
+        """The interval this rank would have in force (0: none yet). A policy whose interval comes
+        from rank-local measurements proposes it here; the checkpointer publishes rank 0's
+        proposal to every rank (:mod:`cfdist.checkpoint.agreement`) and answers with
+        :meth:`agreed`. Asked at every step, before :meth:`should_checkpoint`. Default 0."""
+        ...
+
+    def agreed(self, k: int, step: int) -> None:
+        """The interval every rank uses from ``should_checkpoint(step)`` on: rank 0's proposal,
+        delivered at the same step on every rank (at once in one process, a few steps later
+        through the c10d Store on several ranks), before :meth:`should_checkpoint` of that step.
+        Called only when the agreed value changes. Default: nothing."""
+        ...
+
+    def profile_to_save(self) -> dict | None:
+        """A JSON-able profile to cache on storage (``profile-{profile_key(ctx)}.json``, written
+        atomically by a rank that commits), or None when there is nothing new. Asked right after
+        every :meth:`observe`, after each commit this rank learns of, and at ``close()``; the next
+        run's :meth:`bind` gets it as ``ctx.cached_profile``.
+        Default None."""
+        ...
+
+    def stats(self) -> dict:
+        """Extra entries for ``Checkpointer.stats`` (which wins on a clash with its own
+        ``checkpoints``, ``errors`` and ``bytes``), read whenever ``stats`` is. Default ``{}``."""
+        ...
+
+
+class PolicyBase(abc.ABC):
+    """Base class of the built-in policies: every hook of :class:`Policy` with a default that does
+    nothing; subclasses implement :meth:`should_checkpoint` and :meth:`observe` and override the
+    rest as they need. See :class:`Policy` for when each hook is called."""
+
+    __slots__ = ()
+
+    k: int | None = None
+    mode: str = "cpu"
+    mtbf_s: float | None = None
+
+    @abc.abstractmethod
+    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
+        """See :meth:`Policy.should_checkpoint`."""
+
+    @abc.abstractmethod
+    def observe(self, m: StepMeasurement) -> None:
+        """See :meth:`Policy.observe`."""
+
+    def bind(self, ctx: PolicyContext) -> None:
+        """See :meth:`Policy.bind`; does nothing."""
+
+    def proposal(self) -> int:
+        """See :meth:`Policy.proposal`; 0 (nothing to propose)."""
+        return 0
+
+    def agreed(self, k: int, step: int) -> None:
+        """See :meth:`Policy.agreed`; does nothing."""
+
+    def profile_to_save(self) -> dict | None:
+        """See :meth:`Policy.profile_to_save`; None."""
+        return None
+
+    def stats(self) -> dict:
+        """See :meth:`Policy.stats`; no extra entries."""
+        return {}
+
+
+def as_policy(policy) -> PolicyBase:
+    """``policy`` with every hook of :class:`Policy`: itself when it derives from
+    :class:`PolicyBase`, else a view that forwards the hooks it has and gives PolicyBase's
+    defaults for the others. ``TypeError`` when it lacks a required method.
+
+    The checkpointer calls it once, in its constructor; attribute reads (``k``, ``mode``) go to
+    the user's object each time, so a policy that changes its ``k`` is seen doing so.
+    """
+    if isinstance(policy, PolicyBase):
+        return policy
+    missing = [n for n in ("should_checkpoint", "observe") if not callable(getattr(policy, n, None))]
+    if missing:
+        raise TypeError(f"policy must be a cfdist policy (Every, EveryEpoch, Auto, or an object with "
+                        f"should_checkpoint(step, *, epoch_end) and observe(measurement)), got {policy!r}, "
+                        f"which has no {' or '.join(missing)}")
+    return _Forwarding(policy)
+
+
+class _Forwarding(PolicyBase):
+    """A duck-typed policy seen through PolicyBase: its own hooks where it has them."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
+
+    def _hook(self, name: str):
+        return getattr(self.inner, name, None)
+
+    k = property(lambda self: getattr(self.inner, "k", None))
+    mode = property(lambda self: getattr(self.inner, "mode", "cpu"))
+    mtbf_s = property(lambda self: getattr(self.inner, "mtbf_s", None))
+
+    def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
+        return self.inner.should_checkpoint(step, epoch_end=epoch_end)
+
+    def observe(self, m: StepMeasurement) -> None:
+        self.inner.observe(m)
+
+    def bind(self, ctx: PolicyContext) -> None:
+        if (fn := self._hook("bind")) is not None:
+            fn(ctx)
+
+    def proposal(self) -> int:
+        return fn() if (fn := self._hook("proposal")) is not None else 0
+
+    def agreed(self, k: int, step: int) -> None:
+        if (fn := self._hook("agreed")) is not None:
+            fn(k, step)
+
+    def profile_to_save(self) -> dict | None:
+        return fn() if (fn := self._hook("profile_to_save")) is not None else None
+
+    def stats(self) -> dict:
+        fn = self._hook("stats")
+        return fn() if callable(fn) else {}
 
 
 @dataclass(kw_only=True, slots=True)
-class Every:
+class Every(PolicyBase):
     """Checkpoint every ``k`` optimizer steps (and at epoch ends if ``at_epoch_end``)."""
 
     k: int
@@ -94,7 +245,7 @@ class Every:
 
 
 @dataclass(kw_only=True, slots=True)
-class EveryEpoch:
+class EveryEpoch(PolicyBase):
     """Checkpoint at the end of every epoch only (the common baseline)."""
 
     k: int | None = None

@@ -5,19 +5,20 @@ A crashed worker then loses at most ``every`` iterations (the node's memory tier
 while disk and shared storage are written only as often as the wrapped policy (``Auto``'s k)
 finds worth its cost. Pure: :meth:`should_checkpoint` is a decision from the step number and the
 wrapped policy's; :meth:`to_disk` answers for a step it decided. Every attribute it does not
-define (``k``, ``mode``, ``bind``, ``sync_payload``, ...) is the wrapped policy's, so the
-Checkpointer and the DDP sync hook see the wrapped policy; :meth:`observe` hands it only what
-its own (disk) checkpoints cost.
+define is the wrapped policy's: every hook of :class:`~cfdist.policy.base.Policy` but the two it
+decides (``k``, ``mode``, ``bind``, ``proposal``, ``agreed``, ...) and any other attribute, so the
+Checkpointer sees the wrapped policy; :meth:`observe` hands it only what its own (disk)
+checkpoints cost.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from cfdist.policy.base import StepMeasurement
+from cfdist.policy.base import PolicyBase, PolicyContext, StepMeasurement, as_policy
 
 
-class MemoryEvery:
+class MemoryEvery(PolicyBase):
     """``MemoryEvery(Auto(), every=1)``; used by ``cfdist.fit(memory_every=...)``."""
 
     def __init__(self, policy, every: int = 1):
@@ -52,6 +53,26 @@ class MemoryEvery:
     def to_disk(self, step: int) -> bool:
         """Whether ``step``'s checkpoint also goes to disk (the wrapped policy chose it)."""
         return step in self._disk
+
+    # ---- the wrapped policy's hooks (PolicyBase's defaults when it lacks them) ------------------
+    k = property(lambda self: as_policy(self.policy).k)
+    mode = property(lambda self: as_policy(self.policy).mode)
+    mtbf_s = property(lambda self: as_policy(self.policy).mtbf_s)
+
+    def bind(self, ctx: PolicyContext) -> None:
+        as_policy(self.policy).bind(ctx)
+
+    def proposal(self) -> int:
+        return as_policy(self.policy).proposal()
+
+    def agreed(self, k: int, step: int) -> None:
+        as_policy(self.policy).agreed(k, step)
+
+    def profile_to_save(self) -> dict | None:
+        return as_policy(self.policy).profile_to_save()
+
+    def stats(self) -> dict:
+        return as_policy(self.policy).stats()
 
     def __getattr__(self, name):
         if name in ("policy", "every", "_disk"):   # not set yet (unpickling): no recursion

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cfdist.checkpoint import Checkpointer
 from cfdist.policy import Auto, TunerConfig
 from cfdist.storage import open_storage
-from cfdist.storage.faults import throttle
+from cfdist.testing import throttle
 
 STEPS_FAST, STEPS_SLOW = 50, 90
 PLAIN_STEPS = 40

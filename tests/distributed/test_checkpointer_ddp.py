@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
 from cfdist.storage import open_storage
-from cfdist.storage.faults import StorageWrapper
+from cfdist.testing import StorageWrapper
 
 WORLD = 2
 STEPS = 7   # checkpoints at 3 and 6

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cfdist
 from cfdist.checkpoint import discovery
 from cfdist.storage import open_storage
-from cfdist.storage.faults import StorageWrapper
+from cfdist.testing import StorageWrapper
 
 
 class DieMidWrite(StorageWrapper):

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.storage import open_storage
-from cfdist.storage.faults import hang
+from cfdist.testing import hang
 
 COMBOS = [("node", 1, "thread"), ("node", 2, "thread"), ("all", 1, "thread"), ("all", 2, "thread"),
           ("all", 2, "process")]

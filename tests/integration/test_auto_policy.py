@@ -19,7 +19,7 @@ import torch
 from cfdist.checkpoint import Checkpointer
 from cfdist.policy import Auto, TunerConfig
 from cfdist.storage import open_storage
-from cfdist.storage.faults import throttle
+from cfdist.testing import throttle
 
 MB = 1 << 20
 STATE_BYTES = 2 * (512 * 512 + 512) * 4   # two 512x512 fp32 layers with biases, about 2 MiB

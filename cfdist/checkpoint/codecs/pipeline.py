@@ -5,7 +5,8 @@ The two hooks the rest of the checkpoint layer calls:
 * :func:`begin` / :func:`encode_shard` / :meth:`EncodeSession.commit`, from
   :func:`cfdist.checkpoint.persist.write_checkpoint` (writer thread, writer process or node
   actor; never the training thread's gate);
-* :func:`decode_tensors`, from :func:`cfdist.checkpoint.discovery.read_tensors`.
+* :func:`decode_tensors`, from :func:`cfdist.checkpoint.discovery.read_tensors` (the older steps a
+  chain refers to are read through :mod:`cfdist.checkpoint.reader`, below discovery).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from cfdist.checkpoint.codecs import chain as chain_mod
 from cfdist.checkpoint.codecs.base import REGISTRY, Codec, DecodeContext, pack_parts, raw_np_dtype, unpack_parts
 from cfdist.checkpoint.format import MANIFEST, ST_DTYPES, ST_TO_TORCH, CheckpointError, TensorEntry, step_dir
+from cfdist.checkpoint.reader import read_manifest, read_stored
 
 log = logging.getLogger("cfdist.codecs")
 
@@ -54,9 +56,10 @@ def validate_codecs(codecs) -> tuple[Codec, ...]:
     return codecs
 
 
-def resolve_codecs(codecs, policy, history: dict | None) -> tuple[Codec, ...]:
-    """Validate ``codecs`` and resolve ``Quantize(bits="auto")`` with the MTBF the policy uses
-    (``cfdist.Auto``'s, given or estimated) or, for other policies, the run's restart history."""
+def resolve_codecs(codecs, *, mtbf_s: float | None, history: dict | None) -> tuple[Codec, ...]:
+    """Validate ``codecs`` and resolve ``Quantize(bits="auto")`` with ``mtbf_s``, the MTBF the
+    policy uses (``cfdist.Auto``'s, given or estimated), or when it is None with the MTBF of the
+    run's restart history."""
     import time
 
     from cfdist.checkpoint.codecs.quantize import Quantize
@@ -65,7 +68,7 @@ def resolve_codecs(codecs, policy, history: dict | None) -> tuple[Codec, ...]:
     codecs = validate_codecs(codecs)
     if not any(isinstance(c, Quantize) and c.bits == "auto" for c in codecs):
         return codecs
-    mtbf = getattr(policy, "mtbf_s", None)
+    mtbf = mtbf_s
     if mtbf is None and history:
         mtbf = estimate_mtbf([r["time"] for r in history.get("restarts", []) if "time" in r], now_s=time.time())
     return tuple(c.resolve(mtbf_s=mtbf) if isinstance(c, Quantize) else c for c in codecs)
@@ -249,7 +252,7 @@ def _decode(storages, step: int, manifest: dict, stored: dict, refs: dict, lossy
 
 def decode_tensors(storages, step: int, manifest: dict, stored: dict[str, torch.Tensor], *,
                    verify: bool = True) -> dict[str, torch.Tensor]:
-    """Decode what :func:`~cfdist.checkpoint.discovery.read_tensors` read (verified bytes).
+    """Decode what :func:`~cfdist.checkpoint.reader.read_stored` read (verified bytes).
 
     Tensors without codecs pass through untouched. Chain codecs read the steps they refer to
     (each step once per call; their stored bytes stay in memory until it returns); a
@@ -273,14 +276,12 @@ def decode_tensors(storages, step: int, manifest: dict, stored: dict[str, torch.
 def _load_ref(storages, step: int, ref_step: int, ref_id: str, name: str, refs: dict, lossy: set,
               verify: bool) -> np.ndarray:
     """Tensor ``name`` as step ``ref_step`` decodes it (raw numpy)."""
-    from cfdist.checkpoint.discovery import read_manifest, read_tensors
-
     try:
         if not (isinstance(ref_step, int) and ref_step < step):
             raise CheckpointError(f"step {ref_step!r} is not older")
         if ref_step not in refs:
             m = read_manifest(storages, ref_step)
-            refs[ref_step] = (m, read_tensors(storages, ref_step, m, verify=verify, decode=False))
+            refs[ref_step] = (m, read_stored(storages, ref_step, m, verify=verify))
         m, stored = refs[ref_step]
         if m.get("ckpt_id") != ref_id:
             raise CheckpointError(f"it is not the checkpoint it was encoded against (id {m.get('ckpt_id')} "

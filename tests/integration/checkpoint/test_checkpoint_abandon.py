@@ -15,7 +15,7 @@ import torch
 
 import cfdist
 from cfdist.storage import open_storage
-from cfdist.storage.faults import hang
+from cfdist.testing import hang
 
 
 def test_abandon_does_not_wait_for_the_persist_in_flight_and_removes_its_hooks(tmp_path):

@@ -17,7 +17,7 @@ import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.checkpoint.format import parse_step_dir
 from cfdist.storage import open_storage
-from cfdist.storage.faults import StorageWrapper
+from cfdist.testing import StorageWrapper
 
 N = 8
 
@@ -176,7 +176,7 @@ def test_a_hung_persist_given_up_lets_the_queued_ones_commit_in_order(tmp_path):
     run out its timeout while it waits its turn; once step 2 is given up (one error, raised once
     by ``wait``) steps 3.. commit, in order; the hung writer, released, never commits step 2.
     """
-    from cfdist.storage.faults import hang
+    from cfdist.testing import hang
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))

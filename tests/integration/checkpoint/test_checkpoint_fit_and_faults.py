@@ -15,7 +15,7 @@ import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.data import ResumableLoader
 from cfdist.storage import open_storage
-from cfdist.storage.faults import faulty
+from cfdist.testing import faulty
 
 
 class Positions(torch.utils.data.Dataset):
@@ -126,7 +126,7 @@ def test_disk_full_during_persist_keeps_training_and_the_previous_checkpoint(tmp
     """ENOSPC in the middle of a shard: training goes on, the error is counted and re-raised.
 
     Real: the Checkpointer, its persist thread, ``file://`` storage (a partial shard really
-    lands in a staging directory). Faked: the full disk (``cfdist.storage.faults.faulty`` lets
+    lands in a staging directory). Faked: the full disk (``cfdist.testing.faulty`` lets
     4 KiB through, then fails with ENOSPC until healed).
     The point: ``step()`` never raises; ``stats["errors"]`` counts the failure; step 2 stays
     the loadable checkpoint; after healing the next persist (step 6) commits; ``wait()``

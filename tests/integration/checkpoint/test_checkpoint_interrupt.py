@@ -16,7 +16,7 @@ import torch
 import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.storage import open_storage
-from cfdist.storage.faults import StorageWrapper
+from cfdist.testing import StorageWrapper
 
 
 class Held(StorageWrapper):

@@ -20,7 +20,7 @@ from cfdist.checkpoint.rejected import REASON, REJECTED
 from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
 from cfdist.cli import main as cli
 from cfdist.storage import open_storage
-from cfdist.storage.faults import flaky
+from cfdist.testing import flaky
 
 FAST = RetryPolicy(tries=4, first_delay_s=0.01, max_delay_s=0.02)
 SHARD = "shard-00000-of-00001.safetensors"

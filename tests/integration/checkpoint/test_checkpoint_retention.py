@@ -12,7 +12,7 @@ from cfdist.checkpoint.format import MANIFEST, parse_step_dir
 from cfdist.checkpoint.roots import IDENTITY
 from cfdist.data import ResumableLoader
 from cfdist.storage import open_storage
-from cfdist.storage.faults import StorageWrapper
+from cfdist.testing import StorageWrapper
 
 
 class Recording(StorageWrapper):

@@ -21,7 +21,7 @@ from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
 from cfdist.cluster.config import FitConfig
 from cfdist.cluster.events import EventLog
 from cfdist.storage import open_storage, open_storages
-from cfdist.storage.faults import faulty, flaky
+from cfdist.testing import faulty, flaky
 from cfdist.storage.redact import MASK
 
 KEY = "AKIAFAKEKEYID7777"

@@ -10,7 +10,7 @@ import torch
 import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.storage import open_storage
-from cfdist.storage.faults import throttle
+from cfdist.testing import throttle
 
 
 def _model(width: int) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Storage faults during persist: training goes on, the error shows, nothing committed is lost.
 
-One table over the faults of :mod:`cfdist.storage.faults`, each on ``file://`` and on the moto S3
+One table over the faults of :mod:`cfdist.testing`, each on ``file://`` and on the moto S3
 server: a full disk (ENOSPC mid-shard), EIO on every write, permission denied (refused by the
 wrapper, so it holds when the tests run as root), a write that hangs (given up after
 ``persist_timeout_s``), a torn write (the disk keeps half a shard and reports all of it), a
@@ -33,7 +33,7 @@ import torch
 import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.storage import open_storage
-from cfdist.storage.faults import denied, faulty, hang, lagging, throttle, torn
+from cfdist.testing import denied, faulty, hang, lagging, throttle, torn
 
 EVERY = 2
 

@@ -401,7 +401,7 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
     BatchNorm statistics (as a replica's would), so node 0 (A) writes those itself.
 
     1. a sliced upload: both actors write a slice, the result is bit-exact A's copy;
-    2. B's shared storage made to fail (``faults.faulty``, injected into the live actor):
+    2. B's shared storage made to fail (``cfdist.testing.faulty``, injected into the live actor):
        that step is not committed on the shared tier, the previous one still loads, and A
        uploads the step whole when flushed;
     3. B's actor SIGKILLed mid-upload (new attempt, B named as peer again; its writes slowed
@@ -441,7 +441,7 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
     a, b = (remote.options(num_cpus=0).remote(config=cfg, run_id="sl", node_id=n * 16, node_name=n) for n in "AB")
     ray.get([a.begin_attempt.remote(1, shared_writer=True, peers=[b]), b.begin_attempt.remote(1, shared_writer=False)])
     shared = f"{base}/r"
-    from cfdist.checkpoint.discovery import is_committed
+    from cfdist.checkpoint.reader import is_committed
     from cfdist.storage import open_storages
 
     def committed(step):
@@ -458,7 +458,7 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
         assert any(e["event"] == "shared_slice_written" for e in ray.get(b.drain_events.remote()))
 
         def break_shared(self):
-            from cfdist.storage.faults import faulty
+            from cfdist.testing import faulty
             self.shared = [faulty(self.shared[0], fail_after_bytes=0)]
 
         ray.get(b.__ray_call__.remote(break_shared))
@@ -480,7 +480,7 @@ def test_a_failed_or_dead_peer_leaves_the_step_uncommitted_and_node_0_uploads_wh
         ray.get(a.begin_attempt.remote(2, shared_writer=True, peers=[b]))
 
         def slow_shared(self):
-            from cfdist.storage.faults import throttle
+            from cfdist.testing import throttle
             self.shared = [throttle(self.shared[0].inner, bytes_per_s=200_000)]
 
         ray.get(b.__ray_call__.remote(slow_shared))
@@ -511,7 +511,7 @@ def test_shared_writers_n_uploads_from_exactly_n_nodes(fake_cluster, tmp_path):
     2. B's tier lacks step 3 (its writer stopped at step 2): the helper is C, the next node
        holding it; C's different BatchNorm statistics are A's, written by A; bit-exact again.
     """
-    from cfdist.checkpoint.discovery import is_committed
+    from cfdist.checkpoint.reader import is_committed
     from cfdist.cluster.config import FitConfig
     from cfdist.cluster.node_actor import NodeCheckpointer
     from cfdist.storage import open_storages

@@ -1,14 +1,14 @@
-"""``cfdist.chaos`` sits below the cluster layer and the entry points: it must import neither.
+"""``cfdist.chaos`` sits below the cluster layer and the entry points: it must load neither.
 
-Checked statically (every ``import`` statement, lazy ones inside functions included, of every
-module under ``cfdist/chaos``) and at run time (importing every chaos module in a fresh
-interpreter loads neither Ray nor ``cfdist.experiments``; ``import cfdist`` itself loads the
-public ``cfdist.fit``, so the cluster layer cannot be checked that way).
+The static rule (no chaos module imports the cluster layer, an entry point or Ray, lazy imports
+included) is part of the layer map checked for every module in ``tests/unit/test_layers.py``.
+Here, at run time: importing every chaos module in a fresh interpreter loads neither Ray nor
+``cfdist.experiments`` (``import cfdist`` itself loads the public ``cfdist.fit``, so the cluster
+layer cannot be checked that way).
 """
 
 from __future__ import annotations
 
-import ast
 import pathlib
 import subprocess
 import sys
@@ -16,29 +16,6 @@ import sys
 import cfdist.chaos
 
 CHAOS = pathlib.Path(cfdist.chaos.__file__).parent
-FORBIDDEN = ("cfdist.cluster", "cfdist.api", "cfdist.experiments", "ray")
-
-
-def _imports(path: pathlib.Path) -> list[str]:
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.append(node.module)
-            if node.module == "cfdist":   # from cfdist import fit / cluster / experiments
-                out += [f"cfdist.{a.name}" for a in node.names]
-    return out
-
-
-def _bad(name: str) -> bool:
-    return any(name == f or name.startswith(f + ".") for f in FORBIDDEN) or name in ("cfdist.fit",)
-
-
-def test_no_chaos_module_imports_the_cluster_layer_or_entry_points():
-    offenders = {str(p.relative_to(CHAOS)): [m for m in _imports(p) if _bad(m)] for p in CHAOS.rglob("*.py")}
-    offenders = {k: v for k, v in offenders.items() if v}
-    assert offenders == {}, f"cfdist/chaos must stay pure; move these to cfdist/experiments: {offenders}"
 
 
 def test_importing_every_chaos_module_loads_neither_ray_nor_the_experiments():

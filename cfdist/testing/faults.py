@@ -1,4 +1,4 @@
-"""Fault injection over a real Storage, for tests and benchmarks: slow disks, full disks, flaky links.
+"""Fault injection over a real Storage, for tests and benchmarks: slow, full, flaky, hung, torn, lagging, denied.
 
     slow = throttle(open_storage(url))           # pass-through until told otherwise
     ...                                          # train, checkpoint
@@ -305,7 +305,7 @@ class FaultyStorage(StorageWrapper):
     def _injected(self, why: str) -> OSError:
         with self._lock:
             self.failures += 1
-        return OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.storage.faults: {why})")
+        return OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.testing: {why})")
 
     def _before(self, verb: str, rel: str) -> None:
         with self._lock:
@@ -400,7 +400,7 @@ class FlakyStorage(StorageWrapper):
                 self.injected += 1
                 k = self.injected
         if fail:
-            e = OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.storage.faults.flaky: "
+            e = OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.testing.flaky: "
                                     f"failure {k} of {self.failures} on {self.match!r})")
             raise self._error(verb.replace("_", " "), rel, e) from e
 
@@ -615,7 +615,7 @@ class DeniedStorage(StorageWrapper):
             if not (self.armed and verb in self.verbs):
                 return
             self.denied += 1
-        e = OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.storage.faults)")
+        e = OSError(self.errno, f"{os.strerror(self.errno)} (injected by cfdist.testing)")
         raise self._error(f"{verb} of", rel, e) from e
 
     def write_file(self, rel: str, chunks: Iterable[bytes | memoryview], *, fsync: bool = True) -> int:

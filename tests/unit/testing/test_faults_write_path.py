@@ -1,4 +1,4 @@
-"""The hang/torn/lagging/denied wrappers of ``cfdist.storage.faults`` on a real local root, and
+"""The hang/torn/lagging/denied wrappers of ``cfdist.testing`` on a real local root, and
 the ``CommitGate`` that decides between a late writer and the waiter that gave it up.
 
 Real: the local files, threads, a second process for the file-backed gate. Faked: the clock of
@@ -15,7 +15,7 @@ import pytest
 
 from cfdist.checkpoint.persist import CommitGate
 from cfdist.storage import StorageError, open_storage
-from cfdist.storage.faults import LaggingStorage, denied, hang, torn
+from cfdist.testing import LaggingStorage, denied, hang, torn
 
 
 @pytest.fixture

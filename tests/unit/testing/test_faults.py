@@ -16,7 +16,7 @@ import time
 import pytest
 
 from cfdist.storage import Storage, StorageError, open_storage
-from cfdist.storage.faults import FaultyStorage, StorageWrapper, ThrottledStorage, faulty, throttle
+from cfdist.testing import FaultyStorage, StorageWrapper, ThrottledStorage, faulty, throttle
 
 
 @pytest.fixture
