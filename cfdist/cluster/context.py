@@ -154,7 +154,7 @@ class TrainContext:
         self._step_t[ck.step_count] = now
         if len(self._step_t) > 256:
             self._step_t.pop(min(self._step_t))
-        done = ck.latest_step or 0
+        done = ck._latest or 0   # this rank's own view: no Store round trip per step on non-writers
         if done > self._seen_commit and done in self._step_t:
             self._commit_s.append(now - self._step_t[done])
         self._seen_commit = max(self._seen_commit, done)
