@@ -646,6 +646,8 @@ class Checkpointer:
             # The next forward comes after the next fetch, which may draw from the RNG
             # (augmentation); in the ordinary loop nothing else draws before it.
             self._pending["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
+        if self._rngx is not None:   # this rank's BatchNorm statistics, encoded before the next forward
+            self._pending["buffers"], _ = flatten(st.rank_buffers(self.state), inline_tensors=True)
         self._stats["snapshots"] += 1
         self._snapped_step = self._step
         if self.writer:
@@ -686,6 +688,8 @@ class Checkpointer:
         st.refresh_optimizer_groups(p["skeleton"], self.state)   # lr after sched.step()
         if "rng" not in p:
             p["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
+        if "buffers" in p:   # travels with this rank's RNG to the writers (rngs[rank] in the manifest)
+            p["rng"] = {**p["rng"], "buffers": p.pop("buffers")}
         if self._rngx is not None:   # every writer's checkpoint holds every rank's RNG
             self._rngx.publish(p["step"], p["rng"])
         if self.writer:
@@ -884,8 +888,9 @@ class Checkpointer:
             return None
         found = loaded["found"]
         c = found.candidate
-        st.apply(self.state, found.state)
-        st.set_rng_state(found.extra)
+        extra = dict(found.extra)
+        st.apply(self.state, st.with_rank_buffers(found.state, extra.pop("buffers", None)))
+        st.set_rng_state(extra)
         self._step = self._snapped_step = c.step
         self._note_rollback(found, rejected, cands, asked=step is not None)
         if self._latest is None or c.tier == 0:   # a restore may roll back past newer steps

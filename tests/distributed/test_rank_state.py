@@ -94,3 +94,40 @@ def test_latest_step_is_the_newest_commit_on_every_rank(tmp_path):
     for r in (r0, r1):
         assert (r["fresh"], r["after_6"], r["stats_after_6"]) == (None, 6, 6), r
         assert (r["restored"], r["after_restore"], r["after_10"], r["handle_done"]) == (6, 6, 10, True), r
+
+
+def _batchnorm_body(rank: int, url: str) -> dict:
+    ddp, opt = _model(0)
+    ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt}, url, cfdist.Every(2))
+    ckpt.restore()
+    _train(ddp, opt, ckpt, rank, 4)   # ends on a checkpoint step
+    final = _buffers(ddp)
+    params = [p.detach().clone() for p in ddp.parameters()]
+    ckpt.close()
+    dist.barrier()
+
+    ddp, opt = _model(7 + rank)       # re-run the finished job: restore, nothing left to train
+    ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt}, url, cfdist.Every(2))
+    restored = ckpt.restore()
+    _train(ddp, opt, ckpt, rank, 4)
+    ckpt.close()
+    again = _buffers(ddp)
+    return {"restored": restored, "trained": ckpt.step_count,
+            "final": {n: t.tolist() for n, t in final.items()},
+            "own_buffers_back": {n: torch.equal(again[n], final[n]) for n in final},
+            "params_back": all(torch.equal(a, b) for a, b in zip(ddp.parameters(), params))}
+
+
+def test_rerunning_a_finished_job_gives_each_rank_its_own_batchnorm_statistics(tmp_path):
+    """A job that ended on a checkpoint (step 4) is run again: both ranks restore step 4 and
+    train nothing; each ends with its own running mean, variance and batch count of step 4, as
+    the uninterrupted run did (on the main branch before the fix, rank 1 held rank 0's)."""
+    url = f"file://{tmp_path / 'ckpt'}"
+    mp.start_processes(_run, args=(_batchnorm_body, str(tmp_path / "store"), url, str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn", join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD))
+    assert r0["final"]["1.running_mean"] != r1["final"]["1.running_mean"]   # the ranks' statistics differ
+    for r in (r0, r1):
+        assert (r["restored"], r["trained"]) == (4, 4)
+        assert all(r["own_buffers_back"].values()), r["own_buffers_back"]
+        assert r["params_back"]
