@@ -149,12 +149,16 @@ class TrainContext:
         return save
 
     def _track_commit(self, ck) -> None:
-        """Recent commit latencies (step finished -> its checkpoint committed, as this rank saw)."""
+        """Recent commit latencies (step finished -> its checkpoint committed), measured by the
+        node's writer only: on another rank ``latest_step`` is a Store read, kept off the
+        per-step path (a non-writer measured nothing before either: its value never moved)."""
+        if not ck.writer:
+            return
         now = time.time()
         self._step_t[ck.step_count] = now
         if len(self._step_t) > 256:
             self._step_t.pop(min(self._step_t))
-        done = ck._latest or 0   # this rank's own view: no Store round trip per step on non-writers
+        done = ck.latest_step or 0
         if done > self._seen_commit and done in self._step_t:
             self._commit_s.append(now - self._step_t[done])
         self._seen_commit = max(self._seen_commit, done)
