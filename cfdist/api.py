@@ -72,12 +72,6 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
             ``warm_spares``, ``sigterm_grace_s``, ``cpus_per_worker``, ``event_log``,
             ``progress``, ``storage_options``, ...).
     """
-    from cfdist.cluster.controller import Controller
-    from cfdist.cluster.events import EventLog
-    from cfdist.cluster.injector import FailureInjector
-    from cfdist.cluster.progress import ProgressDisplay
-    from cfdist.cluster.ray_backend import RayBackend
-
     config = FitConfig(storage=storage, shared_storage=shared_storage, num_nodes=num_nodes,
                        workers_per_node=workers_per_node, use_gpu=use_gpu, max_failures=max_failures,
                        run_name=run_name, **options)
@@ -89,34 +83,49 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
         from cfdist.policy.memory import MemoryEvery
 
         policy = MemoryEvery(policy, config.memory_every)
-    config, local = _connect(ray_address, config)
+    config, local, attached = _connect(ray_address, config)
+    try:   # whatever fails from here on, the nodes started or the connection made are ended
+        return _run(config, local, train_loop, policy, preemption, total_steps, remove_node, add_node)
+    finally:
+        _disconnect(local, attached)
+
+
+def _run(config: FitConfig, local, train_loop, policy, preemption, total_steps, remove_node, add_node) -> FitResult:
+    """The run on a connected Ray: event log, backend, injector, controller; closes what it opened."""
+    from cfdist.cluster.controller import Controller
+    from cfdist.cluster.events import EventLog
+    from cfdist.cluster.injector import FailureInjector
+    from cfdist.cluster.progress import ProgressDisplay
+    from cfdist.cluster.ray_backend import RayBackend
+
     if local is not None and preemption is not None and remove_node is None and add_node is None:
         remove_node, add_node = local.remove_node, local.add_node   # a preemption takes a real (simulated) node
     run_id = f"{config.run_name}-{uuid.uuid4().hex[:8]}"
     path = config.event_log or os.path.join("cfdist-runs", config.run_name,
                                             f"events-{time.strftime('%Y%m%d-%H%M%S')}-{run_id[-8:]}.jsonl")
     events = EventLog(path)
-    if local is not None:
-        _say(events, "cluster", f"no RAY_ADDRESS: started {local.num_nodes} simulated Ray node(s) on this machine "
-                                f"({local.cpus_per_node} CPU each), local disks {', '.join(config.storage)}",
-             simulated=True, nodes=local.num_nodes, cpus_per_node=local.cpus_per_node, storage=list(config.storage))
-    backend = RayBackend(config, run_id=run_id, train_fn=train_loop, policy=policy)
-    injector = None
-    if preemption is not None:
-        injector = FailureInjector(preemption, num_nodes=config.num_nodes, backend=backend,
-                                   remove_node=remove_node, add_node=add_node)
-    controller = Controller(config, backend, events, injector=injector)
+    backend = None
     try:
+        if local is not None:
+            _say(events, "cluster", f"no RAY_ADDRESS: started {local.num_nodes} simulated Ray node(s) on this "
+                                    f"machine ({local.cpus_per_node} CPU each), local disks {', '.join(config.storage)}",
+                 simulated=True, nodes=local.num_nodes, cpus_per_node=local.cpus_per_node,
+                 storage=list(config.storage))
+        backend = RayBackend(config, run_id=run_id, train_fn=train_loop, policy=policy)
+        injector = None
+        if preemption is not None:
+            injector = FailureInjector(preemption, num_nodes=config.num_nodes, backend=backend,
+                                       remove_node=remove_node, add_node=add_node)
+        controller = Controller(config, backend, events, injector=injector)
         with ProgressDisplay(events, total_steps=total_steps, enabled=config.progress):
             result = controller.run()
         for r in result.skipped_injections:
             log.warning("injected failure not executed: %s", r.get("reason"))
         return result
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
         events.close()
-        if local is not None:
-            local.close()
 
 
 def _say(events, event: str, text: str, **fields) -> None:
@@ -126,9 +135,11 @@ def _say(events, event: str, text: str, **fields) -> None:
 
 
 def _connect(address: str | None, config: FitConfig):
-    """Attach to a cluster, or start simulated nodes here. Returns ``(config, local cluster or None)``.
+    """Attach to a cluster, or start simulated nodes here. Returns ``(config, local cluster or
+    None, whether this call connected to ``address``)``; :func:`_disconnect` undoes it.
 
-    An initialised Ray (a test's cluster) or ``address`` / ``$RAY_ADDRESS`` is used as it is.
+    An initialised Ray (the user's ``ray.init()``, a test's cluster) is used as it is and left
+    running; ``address`` / ``$RAY_ADDRESS`` is connected to (and disconnected from at the end).
     Otherwise ``config.num_nodes`` simulated nodes start on this machine
     (:class:`~cfdist.cluster.local_cluster.LocalCluster`), each with its own local-disk
     directory: ``/{node}`` is appended to ``storage`` roots that lack ``{node}`` (the returned
@@ -140,13 +151,25 @@ def _connect(address: str | None, config: FitConfig):
     from cfdist.cluster.local_cluster import LocalCluster
 
     if ray.is_initialized():
-        return config, None
+        return config, None, False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=True)
-        return config, None
+        return config, None, True
     if config.num_nodes > 1 and config.local_tier:
         roots = tuple(u if NODE_PLACEHOLDER in u else f"{u.rstrip('/')}/{NODE_PLACEHOLDER}" for u in config.storage)
         config = dataclasses.replace(config, storage=roots)
     cpus = max(1, math.ceil(config.workers_per_node * config.cpus_per_worker))
-    return config, LocalCluster(num_nodes=config.num_nodes, cpus_per_node=cpus, log_to_driver=True).start()
+    return config, LocalCluster(num_nodes=config.num_nodes, cpus_per_node=cpus, log_to_driver=True).start(), False
+
+
+def _disconnect(local, attached: bool) -> None:
+    """End what :func:`_connect` started: stop the simulated nodes, or leave the cluster fit
+    connected to; a Ray the caller had initialised stays as it was. ``fit`` can then be called
+    again in this process, any number of times."""
+    if local is not None:
+        local.close()
+    elif attached:
+        import ray
+
+        ray.shutdown()

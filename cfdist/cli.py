@@ -14,6 +14,11 @@ Subcommands live in :data:`SUBCOMMANDS`: ``name -> "module:function"``; the func
 the ``argparse`` subparsers object and registers its parser with ``set_defaults(run=...)`` (or
 ``func=...``); either is called with the parsed arguments and returns the exit code. Add a
 command by adding one entry; a command whose module cannot be imported is listed as unavailable.
+
+What users type: a path without a scheme (``cfdist-runs/demo``) is resolved against the working
+directory (:func:`local_url`); a mistake (a missing or wrong directory, a bad URL, a bad value)
+is one line ``cfdist: error: <what, why, the fix>`` on stderr and exit status 2, never a
+traceback (:func:`main` turns :func:`user_errors` into that line, for every subcommand).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 SUBCOMMANDS: dict[str, str] = {
@@ -50,18 +56,131 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """``cfdist ARGS``: the exit status (0 ok, 1 nothing found, 2 a mistake in what was typed).
+
+    Bad arguments exit 2 through argparse (usage and one error line); a user error raised by a
+    subcommand (:func:`user_errors`) is printed as one line and returns 2; anything else (a bug)
+    propagates with its traceback."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "passthrough", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     run = getattr(args, "run", None) or getattr(args, "func")
-    return int(run(args) or 0)
+    try:
+        return int(run(args) or 0)
+    except Exception as e:  # noqa: BLE001 - only the user errors are caught; the rest re-raised
+        if not isinstance(e, user_errors()):
+            raise
+        return _fail(one_line(e))
 
 
 def _fail(msg: str) -> int:
     print(f"cfdist: error: {msg}", file=sys.stderr)
     return 2
+
+
+class UsageError(ValueError):
+    """A mistake in what the user typed (a missing directory, not a checkpoint directory): its
+    message says what was given, why it does not fit and what to type instead."""
+
+
+def user_errors() -> tuple[type, ...]:
+    """Exceptions a user causes by what they type or point at: a bad value (``ValueError``, the
+    configs' validation), storage that is missing or unreachable (``OSError``: ``StorageError``,
+    ``StorageUnavailable``, ``FileNotFoundError``), a scheme whose package is missing
+    (``ImportError``), a checkpoint that is not committed or is corrupt (``CheckpointError``), a
+    YAML file that does not parse (when PyYAML is installed)."""
+    from cfdist.checkpoint.format import CheckpointError
+
+    out = [UsageError, ValueError, OSError, ImportError, CheckpointError]
+    try:
+        import yaml
+
+        out.append(yaml.YAMLError)
+    except ImportError:
+        pass
+    return tuple(out)
+
+
+def one_line(e: BaseException) -> str:
+    """``e``'s message on one line (a YAML error's location lines joined), with a redacted URL;
+    an ``OSError`` without a message says its errno text and file."""
+    from cfdist.storage.redact import redact
+
+    if isinstance(e, OSError) and not isinstance(e, UsageError) and e.strerror and e.filename:
+        text = f"{e.filename}: {e.strerror}"
+    else:
+        text = str(e) or type(e).__name__
+    return redact(" ".join(part.strip() for part in text.splitlines() if part.strip()))
+
+
+# ---- paths and URLs as typed -------------------------------------------------------------------------
+
+def local_url(arg: str) -> str:
+    """What the user typed as a storage URL: a path without a scheme (``cfdist-runs/demo``,
+    ``~/runs/x``) becomes ``file://`` + its absolute path against the working directory; a URL
+    (``file:///...``, ``s3://...``) is returned unchanged."""
+    if "://" in arg:
+        return arg
+    return "file://" + os.path.abspath(os.path.expanduser(arg))
+
+
+def _local_path(url: str) -> str | None:
+    return url[len("file://"):] if url.startswith("file:///") else None
+
+
+def checked_dir(arg: str, url: str) -> None:
+    """Raise :class:`UsageError` when the local directory ``url`` (typed as ``arg``) is missing
+    or a file; remote URLs are checked when they are read. Never creates anything."""
+    path = _local_path(url)
+    if path is None:
+        return
+    typed = "" if "://" in arg or arg.rstrip("/") == path.rstrip("/") else f" (from {arg!r})"
+    if os.path.isfile(path):
+        raise UsageError(f"{path}{typed} is a file, not a checkpoint directory: give the run directory "
+                         f"(the storage= of the run) or one of its step-NNNNNNNNN directories")
+    if not os.path.isdir(path):
+        near = os.path.dirname(path.rstrip("/"))
+        while near and not os.path.isdir(near):
+            near = os.path.dirname(near)
+        raise UsageError(f"{path}{typed} does not exist: give the directory the run wrote its checkpoints "
+                         f"to (the storage= of the run; {near or '/'} exists)")
+
+
+def _holds_checkpoints(path: str) -> bool:
+    """Whether the local directory ``path`` was written by a Checkpointer (a step directory,
+    committed or not, a rejected/ folder, the run's history or stripe identity)."""
+    from cfdist.checkpoint.format import parse_step_dir
+
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(parse_step_dir(n.split(".tmp-")[0]) is not None for n in names) or bool(
+        {"rejected", "history.json", "STRIPE.json"} & set(names))
+
+
+def not_a_checkpoint_dir(url: str) -> UsageError | None:
+    """For a local ``url`` that holds no checkpoint: the error that says so and names the
+    subdirectories that do hold checkpoints (a ``cfdist.fit`` run keeps one per node); None when
+    it is a checkpoint directory (maybe with nothing committed yet) or not local."""
+    path = _local_path(url)
+    if path is None or _holds_checkpoints(path):
+        return None
+    subs = []
+    for root, dirs, _ in os.walk(path):
+        if root != path and _holds_checkpoints(root):
+            subs.append(os.path.relpath(root, path))
+            dirs[:] = []
+        elif root.count(os.sep) - path.rstrip(os.sep).count(os.sep) >= 2:
+            dirs[:] = []   # two levels down is enough: <run>/<node>/<tier>
+        if len(subs) >= 4:
+            break
+    fix = (f"checkpoints are in its subdirectories {', '.join(sorted(subs))}: give one of them, e.g. "
+           f"{os.path.join(path, sorted(subs)[0])}" if subs else
+           "give the directory the run wrote its checkpoints to (the storage= of the run)")
+    return UsageError(f"{path} is not a checkpoint directory (no step-NNNNNNNNN directories in it); {fix}")
 
 
 # ---- fit -----------------------------------------------------------------------------------------
@@ -95,7 +214,6 @@ def _register_fit(sub) -> None:
 def load_train_fn(spec: str):
     """``path/to/file.py:fn`` or ``package.module:fn`` -> the function (shipped to workers by value)."""
     import importlib.util
-    import os
 
     import ray.cloudpickle
 
@@ -106,8 +224,9 @@ def load_train_fn(spec: str):
         path = os.path.abspath(where)
         name = os.path.splitext(os.path.basename(path))[0]
         spec_ = importlib.util.spec_from_file_location(name, path)
-        if spec_ is None:
-            raise FileNotFoundError(f"train file {path} not found")
+        if spec_ is None or not os.path.isfile(path):
+            raise UsageError(f"train file {path} does not exist (from {where!r}, relative to the working "
+                             f"directory): give file.py:function or package.module:function")
         mod = importlib.util.module_from_spec(spec_)
         sys.modules[name] = mod
         spec_.loader.exec_module(mod)
@@ -120,22 +239,43 @@ def load_train_fn(spec: str):
         raise AttributeError(f"{where} has no function {fn!r}") from None
 
 
+def fit_options() -> set[str]:
+    """The keys a ``cfdist fit`` YAML file may hold besides ``train`` and ``train_args``."""
+    import dataclasses
+    import inspect
+
+    from cfdist.api import fit
+    from cfdist.cluster.config import FitConfig
+
+    named = {n for n, p in inspect.signature(fit).parameters.items()
+             if p.kind is p.KEYWORD_ONLY and n not in ("remove_node", "add_node")}
+    return named | {f.name for f in dataclasses.fields(FitConfig)}
+
+
+_POLICY_FORMS = "auto, every:K, epoch, {every: K} or {auto: {max_overhead: 0.03}}"
+
+
 def parse_policy(value):
+    """A policy as written in a ``cfdist fit`` YAML file (:data:`_POLICY_FORMS`); ``ValueError``
+    naming the forms for anything else."""
     import cfdist
 
     if value is None or value == "auto":
         return cfdist.Auto()
-    if isinstance(value, str) and value.startswith("every:"):
-        return cfdist.Every(int(value.split(":", 1)[1]))
     if value == "epoch":
         return cfdist.EveryEpoch()
+    if isinstance(value, str) and value.startswith("every:") and value[6:].strip().isdigit():
+        return cfdist.Every(int(value[6:]))
     if isinstance(value, dict) and len(value) == 1:
         (kind, kw), = value.items()
-        if kind == "auto":
-            return cfdist.Auto(**(kw or {}))
-        if kind == "every":
-            return cfdist.Every(**kw) if isinstance(kw, dict) else cfdist.Every(int(kw))
-    raise ValueError(f"policy must be auto, every:K, epoch or {{auto: {{...}}}}, got {value!r}")
+        try:
+            if kind == "auto" and isinstance(kw, (dict, type(None))):
+                return cfdist.Auto(**(kw or {}))
+            if kind == "every":
+                return cfdist.Every(**kw) if isinstance(kw, dict) else cfdist.Every(int(kw))
+        except (TypeError, ValueError) as e:   # an unknown, missing or bad argument
+            raise ValueError(f"policy {value!r}: {e}; write it as {_POLICY_FORMS}") from None
+    raise ValueError(f"policy must be {_POLICY_FORMS}, got {value!r}")
 
 
 def parse_preemption(value):
@@ -148,7 +288,10 @@ def parse_preemption(value):
         raise ValueError(f"preemption must be one of {sorted(classes)} with its arguments, e.g. "
                          f"{{fixed_interval: {{every_s: 600, kind: crash}}}}; got {value!r}")
     (kind, kw), = value.items()
-    return classes[kind](**kw)
+    try:
+        return classes[kind](**(kw or {}))
+    except TypeError as e:   # an unknown or missing argument
+        raise ValueError(f"preemption {value!r}: {e}; e.g. {{fixed_interval: {{every_s: 600, kind: crash}}}}") from None
 
 
 def _run_fit(a) -> int:
@@ -158,17 +301,37 @@ def _run_fit(a) -> int:
 
     from cfdist.api import fit
 
+    if not os.path.isfile(a.config):
+        raise UsageError(f"config file {os.path.abspath(a.config)} does not exist: give a YAML file "
+                         f"(`cfdist fit --help` shows an example)")
     with open(a.config) as f:
         cfg = yaml.safe_load(f) or {}
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{a.config} must be a YAML mapping (key: value lines), not a {type(cfg).__name__}; "
+                         f"`cfdist fit --help` shows an example")
     for kv in a.set:
-        k, _, v = kv.partition("=")
+        k, eq, v = kv.partition("=")
+        if not (k and eq):
+            raise UsageError(f"--set {kv!r} must be KEY=VALUE, e.g. --set num_nodes=1")
         cfg[k] = yaml.safe_load(v)
     if "train" not in cfg or "storage" not in cfg:
         return _fail(f"{a.config} needs at least 'train' and 'storage'\n\n{FIT_EXAMPLE}")
-    fn = load_train_fn(cfg.pop("train"))
-    train_args = cfg.pop("train_args", None) or {}
+    for key in ("storage", "shared_storage"):   # paths in the file are relative to the working directory
+        if isinstance(cfg.get(key), str):
+            cfg[key] = local_url(cfg[key])
+        elif isinstance(cfg.get(key), list):
+            cfg[key] = [local_url(u) if isinstance(u, str) else u for u in cfg[key]]
+    unknown = sorted(set(cfg) - {"train", "train_args"} - fit_options())
+    if unknown:
+        raise UsageError(f"{a.config}: unknown key(s) {', '.join(map(repr, unknown))}; the keys are the "
+                         f"arguments of cfdist.fit and FitConfig fields: {', '.join(sorted(fit_options()))}")
     policy = parse_policy(cfg.pop("policy", None))
     preemption = parse_preemption(cfg.pop("preemption", None))
+    train_args = cfg.pop("train_args", None) or {}
+    try:   # last: importing the training file runs the user's code
+        fn = load_train_fn(cfg.pop("train"))
+    except AttributeError as e:
+        raise UsageError(f"{a.config}: train: {e}") from None
     result = fit(functools.partial(fn, **train_args) if train_args else fn, policy=policy,
                  preemption=preemption, **cfg)
     from rich.console import Console
@@ -183,7 +346,8 @@ def _run_fit(a) -> int:
 
 def _register_ls(sub) -> None:
     p = sub.add_parser("ls", help="list the committed checkpoints of a storage URL")
-    p.add_argument("storage", help="URL of a run directory (file://..., s3://...)")
+    p.add_argument("storage", help="a run directory: a path (relative to the working directory) or a URL "
+                                   "(file:///..., s3://...)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--all", action="store_true", help="also the checkpoints moved aside under rejected/ "
                    "(a run rolled back past them); cfdist.load(url, step=N) still reads them")
@@ -199,15 +363,19 @@ def _run_ls(a) -> int:
     from cfdist.checkpoint import list_checkpoints
     from cfdist.storage.redact import redact_url
 
-    rows = list_checkpoints(a.storage, include_rejected=a.all)
+    url = local_url(a.storage)
+    checked_dir(a.storage, url)
+    rows = list_checkpoints(url, include_rejected=a.all)
+    if not rows and (err := not_a_checkpoint_dir(url)) is not None:
+        raise err
     if a.json:
         for r in rows:
             print(json.dumps(r))
         return 0
     if not rows:
-        print(f"no committed checkpoint in {redact_url(a.storage)}")
+        print(f"no committed checkpoint in {redact_url(url)}")
         return 1
-    t = Table(title=redact_url(a.storage))
+    t = Table(title=redact_url(url))
     for col in ("step", "epoch", "epoch end", "committed", "bytes", "url") + (("moved aside because",) if a.all else ()):
         t.add_column(col)
     for r in rows:
@@ -229,6 +397,14 @@ def _register_inspect(sub) -> None:
                         "directory given as CHECKPOINT")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_run_inspect)
+
+
+def checkpoint_arg(arg: str) -> tuple[str, int | None]:
+    """A typed step or run directory -> ``(run directory URL, step or None)``; a local run
+    directory must exist (:class:`UsageError` otherwise)."""
+    root, step = split_checkpoint_url(local_url(arg))
+    checked_dir(arg, root)
+    return root, step
 
 
 def split_checkpoint_url(url: str) -> tuple[str, int | None]:
@@ -285,12 +461,13 @@ def _run_inspect(a) -> int:
     from cfdist.checkpoint.discovery import committed_steps, load, read_manifest
     from cfdist.storage import open_storages
 
-    root, step = split_checkpoint_url(a.checkpoint)
+    root, step = checkpoint_arg(a.checkpoint)
     sts = open_storages(root)
     if step is None:
         steps = committed_steps(sts[0])
         if not steps:
-            return _fail(f"no committed checkpoint in {sts[0].url}")
+            raise not_a_checkpoint_dir(root) or UsageError(
+                f"no committed checkpoint in {sts[0].url} yet: `cfdist ls {a.checkpoint} --all` shows what is there")
         step = steps[-1]
     try:
         summary = summarize_manifest(read_manifest(sts, step))
@@ -298,7 +475,7 @@ def _run_inspect(a) -> int:
             load(root, step, verify=True)
             summary["verified"] = True
     except CheckpointError as e:
-        return _fail(str(e))
+        return _fail(f"{one_line(e)} (`cfdist ls {root}` lists the committed steps)")
     if a.json:
         print(json.dumps(summary))
         return 0
@@ -323,10 +500,10 @@ def resolve_step(spec: str, run: str | None) -> tuple[str, int | None]:
     """A step given as a step-directory URL, or as a number inside the run directory ``run``."""
     if spec.isdigit():
         if run is None:
-            raise ValueError(f"step {spec} is a number: give the run directory too, e.g. "
-                             f"cfdist inspect file:///path/run --diff {spec} ...")
-        return split_checkpoint_url(run)[0], int(spec)
-    return split_checkpoint_url(spec)
+            raise UsageError(f"step {spec} is a number: give the run directory too, e.g. "
+                             f"cfdist inspect ./path/run --diff {spec} ...")
+        return checkpoint_arg(run)[0], int(spec)
+    return checkpoint_arg(spec)
 
 
 def _load_or_fail(root: str, step: int | None):
@@ -336,7 +513,10 @@ def _load_or_fail(root: str, step: int | None):
     try:
         return load(root, step)
     except CheckpointError as e:
-        print(f"cfdist: error: {e}", file=sys.stderr)
+        if step is None and (err := not_a_checkpoint_dir(root)) is not None:
+            e = err
+        _fail(f"{one_line(e)}" + ("" if isinstance(e, UsageError) else f" (`cfdist ls {root}` lists the "
+                                                                          f"committed steps)"))
         return None
 
 
@@ -346,10 +526,7 @@ def _run_diff(a) -> int:
 
     from cfdist.checkpoint.compare import diff_checkpoints
 
-    try:
-        (ra, sa), (rb, sb) = (resolve_step(x, a.checkpoint) for x in a.diff)
-    except ValueError as e:
-        return _fail(str(e))
+    (ra, sa), (rb, sb) = (resolve_step(x, a.checkpoint) for x in a.diff)
     la, lb = _load_or_fail(ra, sa), _load_or_fail(rb, sb)
     if la is None or lb is None:
         return 2
@@ -407,7 +584,7 @@ def _register_export(sub) -> None:
 def _run_export(a) -> int:
     from cfdist.checkpoint.compare import export_tensors, save_export
 
-    root, step = split_checkpoint_url(a.checkpoint)
+    root, step = checkpoint_arg(a.checkpoint)
     loaded = _load_or_fail(root, step)
     if loaded is None:
         return 2
@@ -415,7 +592,7 @@ def _run_export(a) -> int:
         key, tensors = export_tensors(loaded, a.key, strip_prefixes=tuple(a.strip_prefix or ()))
     except ValueError as e:
         return _fail(str(e))
-    path = save_export(tensors, a.out, a.format, {"cfdist_step": loaded["step"], "cfdist_key": key,
+    path = save_export(tensors, os.path.abspath(a.out), a.format, {"cfdist_step": loaded["step"], "cfdist_key": key,
                                                   "cfdist_source": root})
     n = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"exported {key!r} of step {loaded['step']}: {len(tensors)} tensors, {n:,} bytes -> {path}")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cfdist.checkpoint import agreement, discovery, peer, retention, roots, slices, state as st
+from cfdist.checkpoint import agreement, discovery, latest as newest, peer, retention, roots, slices, state as st
 from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.format import CheckpointError, step_dir
@@ -275,7 +275,8 @@ class Checkpointer:
         self._lineage = retention.job_lineage(self._channel)   # one per job: every writer's copies match
         self._rolled_back: dict[int, str] = {}   # step -> why restore rolled back past it
         latest = discovery.find_latest([self.storages], retry=self.config.read_retry)
-        self.latest_step: int | None = latest.step if latest else None
+        self._latest: int | None = None
+        self.latest_step = latest.step if latest else None
         self._hooks = []
         self._fetch_hooked = False   # a data iterator calls _on_boundary before each fetch
         for k, obj in state.items():
@@ -404,6 +405,27 @@ class Checkpointer:
     def step_count(self) -> int:
         """Optimizer steps done (restored from the checkpoint by ``restore``)."""
         return self._step
+
+    @property
+    def latest_step(self) -> int | None:
+        """The newest committed step (None: none), the same on every rank.
+
+        The committing rank knows it from its own persists (after they are collected, at the
+        next ``step``/``save``/``wait``) and restores; it publishes it through the store, where
+        every other rank reads it (one round trip per read; :mod:`cfdist.checkpoint.latest`).
+        Training thread."""
+        if self._commits or self._channel is None:
+            return self._latest
+        return newest.read(self._channel, self._latest)
+
+    @latest_step.setter
+    def latest_step(self, step: int | None) -> None:
+        self._set_latest(step, newer_only=True)
+
+    def _set_latest(self, step: int | None, *, newer_only: bool) -> None:
+        self._latest = step
+        if self._commits and self._channel is not None:
+            newest.publish(self._channel, step, newer_only=newer_only)
 
     def step(self, optimizer=None, closure=None, *, scaler=None):
         """Replaces ``optimizer.step()`` (or ``scaler.step(optimizer); scaler.update()``): gate,
@@ -609,6 +631,8 @@ class Checkpointer:
             # The next forward comes after the next fetch, which may draw from the RNG
             # (augmentation); in the ordinary loop nothing else draws before it.
             self._pending["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
+        if self._rngx is not None:   # this rank's BatchNorm statistics, encoded before the next forward
+            self._pending["buffers"], _ = flatten(st.rank_buffers(self.state), inline_tensors=True)
         self._stats["snapshots"] += 1
         self._snapped_step = self._step
         if self.writer:
@@ -649,6 +673,8 @@ class Checkpointer:
         st.refresh_optimizer_groups(p["skeleton"], self.state)   # lr after sched.step()
         if "rng" not in p:
             p["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
+        if "buffers" in p:   # travels with this rank's RNG to the writers (rngs[rank] in the manifest)
+            p["rng"] = {**p["rng"], "buffers": p.pop("buffers")}
         if self._rngx is not None:   # every writer's checkpoint holds every rank's RNG
             self._rngx.publish(p["step"], p["rng"])
         if self.writer:
@@ -699,7 +725,7 @@ class Checkpointer:
         self._error = e
         log.error("persisting step %d to %s failed: %s; training continues, the previous checkpoint "
                   "(step %s) stays, the next checkpoint will be attempted", step, self.storages[0].url,
-                  redact(e), self.latest_step)
+                  redact(e), self._latest)
 
     def _wait_inflight(self, keep: int = 0) -> None:
         """Block until at most ``keep`` persists still run: the oldest finished or, past
@@ -847,12 +873,13 @@ class Checkpointer:
             return None
         found = loaded["found"]
         c = found.candidate
-        st.apply(self.state, found.state)
-        st.set_rng_state(found.extra)
+        extra = dict(found.extra)
+        st.apply(self.state, st.with_rank_buffers(found.state, extra.pop("buffers", None)))
+        st.set_rng_state(extra)
         self._step = self._snapped_step = c.step
         self._note_rollback(found, rejected, cands, asked=step is not None)
-        if self.latest_step is None or c.tier == 0:
-            self.latest_step = c.step if c.tier == 0 else self.latest_step
+        if self._latest is None or c.tier == 0:   # a restore may roll back past newer steps
+            self._set_latest(c.step if c.tier == 0 else self._latest, newer_only=False)
         self._record_restart(c.step)
         log.info("restored step %d from %s", c.step, f"tier {c.tier}" if c.tier < len(self.tiers) else
                  "a peer rank's copy")

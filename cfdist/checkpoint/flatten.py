@@ -134,7 +134,7 @@ def _build(s: Any, get: Callable[[str], torch.Tensor]) -> Any:
 
 def _tensor_to_b64(t: torch.Tensor) -> dict:
     t = t.detach().cpu().contiguous()
-    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""   # 0-dim too
     return {"dtype": str(t.dtype), "shape": list(t.shape), "b64": base64.b64encode(raw).decode()}
 
 

@@ -17,7 +17,12 @@ Entries are captured at two instants of the same step boundary (invariant 3):
 
 RNG states are per rank: every rank captures its own (torch CPU, CUDA when initialised, numpy,
 python), the writers collect them all (``rngs`` in the manifest, one per rank) and each rank
-restores its own (:func:`rank_rng_state`).
+restores its own (:func:`rank_rng_state`). So are module buffers (BatchNorm statistics: each
+replica's forward updates them with its own batch): in a multi-rank job each rank's entry in
+``rngs`` also holds its own (``"buffers"``, :func:`rank_buffers`), and each rank restores them
+over the writer's (:func:`with_rank_buffers`). Without them a rank >= 1 would hold the writer's
+statistics until DDP broadcasts rank 0's at the next forward -- for ever, when a finished job
+is re-run and restores its last step.
 """
 
 from __future__ import annotations
@@ -82,6 +87,32 @@ def mutable_in_forward(state: dict, tensors: dict[str, torch.Tensor]) -> set[str
         elif isinstance(obj, torch.Tensor) and obj.numel():
             live.add((obj.device, obj.data_ptr()))
     return {n for n, t in tensors.items() if t.numel() and (t.device, t.data_ptr()) in live}
+
+
+def rank_buffers(state: dict) -> dict:
+    """This rank's module buffers that a checkpoint holds (``{key: {state_dict name: tensor}}``,
+    references to the live tensors: encode them before the next forward). Training thread."""
+    out = {}
+    for k, obj in state.items():
+        if isinstance(obj, torch.nn.Module):
+            sd = obj.state_dict()
+            bufs = {n: sd[n] for n, b in obj.named_buffers() if b.numel() and n in sd}
+            if bufs:
+                out[k] = bufs
+    return out
+
+
+def with_rank_buffers(saved: dict, own: dict | None) -> dict:
+    """``saved`` (a checkpoint's state) with this rank's own module buffers (``own``, from
+    :func:`rank_buffers` of the checkpointed step) in place of the writer's; only names the
+    checkpoint holds are replaced (:func:`apply` then checks shapes as for any state)."""
+    if not own:
+        return saved
+    out = dict(saved)
+    for k, bufs in own.items():
+        if isinstance(out.get(k), dict) and isinstance(bufs, dict):
+            out[k] = {**out[k], **{n: t for n, t in bufs.items() if n in out[k]}}
+    return out
 
 
 def refresh_optimizer_groups(skeleton: dict, state: dict) -> None:

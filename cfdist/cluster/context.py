@@ -149,7 +149,11 @@ class TrainContext:
         return save
 
     def _track_commit(self, ck) -> None:
-        """Recent commit latencies (step finished -> its checkpoint committed, as this rank saw)."""
+        """Recent commit latencies (step finished -> its checkpoint committed), measured by the
+        node's writer only: on another rank ``latest_step`` is a Store read, kept off the
+        per-step path (a non-writer measured nothing before either: its value never moved)."""
+        if not ck.writer:
+            return
         now = time.time()
         self._step_t[ck.step_count] = now
         if len(self._step_t) > 256:

@@ -12,7 +12,9 @@ another Ray instance on the machine (nor it to this one); gloo talks over the lo
 (``GLOO_SOCKET_IFNAME=lo``), as every rank is on this machine. Unless ``RAY_AUTH_MODE`` is set,
 the cluster uses token authentication with a fresh random token (in the environment of this
 process and its children only): nothing else on the machine can submit work to it, and Ray
-has nothing to warn about. A lost node is declared dead after ~3 s of failed health checks.
+has nothing to warn about. Ray caches the auth mode and token in the process, past
+``ray.shutdown()``; ``start`` and ``close`` refresh both, so clusters may follow one another in
+one process (``cfdist.fit`` called again and again), and a user's ``ray.init()`` after them. A lost node is declared dead after ~3 s of failed health checks.
 Call from the driver process, one thread::
 
     with LocalCluster(num_nodes=2) as lc:          # ray.init() done, torn down at exit
@@ -72,7 +74,7 @@ class LocalCluster:
         if "RAY_AUTH_MODE" not in os.environ:
             self._setenv("RAY_AUTH_TOKEN", uuid.uuid4().hex)
             self._setenv("RAY_AUTH_MODE", "token")
-            _refresh_ray_config()
+        _refresh_ray_auth()   # a token cached by an earlier cluster of this process would be refused
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args=dict(
                 num_cpus=0, include_dashboard=False, object_store_memory=_OBJECT_STORE,
@@ -117,15 +119,13 @@ class LocalCluster:
         if self.cluster is not None:
             self.cluster.shutdown()
             self.cluster = None
-        auth = "RAY_AUTH_MODE" in self._env
         for key, value in self._env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         self._env = {}
-        if auth:
-            _refresh_ray_config()
+        _refresh_ray_auth()   # the next Ray of this process (a user's, another cluster) reads its own
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -137,12 +137,23 @@ class LocalCluster:
         self.close()
 
 
-def _refresh_ray_config() -> None:
-    """Make this process's Ray see a changed ``RAY_AUTH_MODE`` (Ray caches its config; its own
-    token setup refreshes it the same way)."""
+def _refresh_ray_auth() -> None:
+    """Make this process's Ray read ``RAY_AUTH_MODE`` and the auth token afresh.
+
+    Ray caches both for the life of the process, past ``ray.shutdown()``: its config, and the
+    token it first read (a C++ singleton, ``AuthenticationTokenLoader``). A second cluster in
+    the same process has a fresh token; with the first one still cached, this process's calls
+    to the new GCS are refused (``Failed to start GCS ... InvalidAuthToken``). Same order as
+    Ray's own test reset: the config first, then the token cache (a core-worker thread still
+    draining could otherwise reload a token the config no longer asks for)."""
     from ray._raylet import Config
 
     Config.initialize("")
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:   # a Ray without token authentication caches no token
+        return
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def kill_node(cluster, node) -> None:

@@ -129,4 +129,7 @@ def test_export_another_entry_and_errors(run, tmp_path, capsys):
     assert cli.main(["export", url, "--key", "sched", "--out", str(tmp_path / "y")]) == 2
     assert "holds no tensors" in capsys.readouterr().err
     assert cli.main(["export", f"file://{tmp_path}/empty", "--out", str(tmp_path / "z")]) == 2
-    assert "no committed checkpoint" in capsys.readouterr().err
+    assert f"{tmp_path}/empty does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["export", f"file://{tmp_path}/empty", "--out", str(tmp_path / "z")]) == 2
+    assert f"{tmp_path}/empty is not a checkpoint directory" in capsys.readouterr().err
