@@ -328,6 +328,9 @@ class Checkpointer:
     def _bind_policy(self) -> None:
         from cfdist.policy import base as pb
 
+        if not self._policy.binds:   # Every, EveryEpoch: no file read, no store exchange
+            return
+
         nbytes, layout = 0, []
         for k, obj in self.state.items():
             if self._kinds[k] == st.EARLY:

@@ -73,6 +73,10 @@ class Policy(Protocol):
     """The mean time between failures the policy assumes (seconds), or None; read once at the
     checkpointer's construction, after :meth:`bind`, to resolve ``Quantize(bits="auto")``.
     Default None."""
+    binds: bool
+    """Whether :meth:`bind` wants its context: False spares the checkpointer's construction the
+    reads that make it (rank 0's ``history.json`` and cached profile, through the store on a
+    multi-rank job). Default False; True for a policy that defines ``bind``."""
 
     def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
         """Whether to checkpoint at ``step`` (1-based count of optimizer steps), asked once per
@@ -131,6 +135,12 @@ class PolicyBase(abc.ABC):
     k: int | None = None
     mode: str = "cpu"
     mtbf_s: float | None = None
+    binds: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "binds" not in cls.__dict__:   # a subclass that overrides bind() wants its context
+            cls.binds = cls.bind is not PolicyBase.bind
 
     @abc.abstractmethod
     def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
@@ -194,6 +204,7 @@ class _Forwarding(PolicyBase):
     k = property(lambda self: getattr(self.inner, "k", None))
     mode = property(lambda self: getattr(self.inner, "mode", "cpu"))
     mtbf_s = property(lambda self: getattr(self.inner, "mtbf_s", None))
+    binds = property(lambda self: getattr(self.inner, "binds", callable(getattr(self.inner, "bind", None))))
 
     def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
         return self.inner.should_checkpoint(step, epoch_end=epoch_end)

@@ -58,6 +58,7 @@ class MemoryEvery(PolicyBase):
     k = property(lambda self: as_policy(self.policy).k)
     mode = property(lambda self: as_policy(self.policy).mode)
     mtbf_s = property(lambda self: as_policy(self.policy).mtbf_s)
+    binds = property(lambda self: as_policy(self.policy).binds)
 
     def bind(self, ctx: PolicyContext) -> None:
         as_policy(self.policy).bind(ctx)

@@ -117,8 +117,9 @@ def _share_worker(rank, world, store_path, urls, out):
         ddp, opt = _model()
         ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt}, urls, cfdist.Every(1000), writers="all")
         _train(ddp, opt, ckpt, rank, 0, 3)
-        if rank == 0:   # the state: rank 0's (BatchNorm statistics differ between replicas)
-            torch.save(_flat(ddp, opt), os.path.join(out, "ref.pt"))
+        # each rank's own state: BatchNorm statistics differ between replicas, and each rank
+        # restores its own (they travel with its RNG states)
+        torch.save(_flat(ddp, opt), os.path.join(out, f"ref-{rank}.pt"))
         res["io"] = _save_measured(ckpt)
         res["latest"] = ckpt.latest_step
         ckpt.close()
@@ -131,7 +132,7 @@ def _share_worker(rank, world, store_path, urls, out):
                 p.add_(torch.randn_like(p))
         ckpt2 = cfdist.Checkpointer({"model": ddp2, "optim": opt2}, urls, cfdist.Every(1000), writers="all")
         res["restored"] = ckpt2.restore()
-        res["bitexact"] = torch.equal(_flat(ddp2, opt2), torch.load(os.path.join(out, "ref.pt")))
+        res["bitexact"] = torch.equal(_flat(ddp2, opt2), torch.load(os.path.join(out, f"ref-{rank}.pt")))
         _train(ddp2, opt2, ckpt2, rank, 3, 2)             # and it goes on, writing slices again
         ckpt2.save(block=True)
         res["latest2"] = ckpt2.latest_step
@@ -174,8 +175,7 @@ def _kill_worker(rank, world, store_path, url, out, phase):
             _train(ddp, opt, ckpt, rank, 0, 3)
             with open(os.path.join(out, f"io-rank{rank}.json"), "w") as f:
                 json.dump(_save_measured(ckpt), f)
-            if rank == 0:
-                torch.save(_flat(ddp, opt), os.path.join(out, "ref.pt"))
+            torch.save(_flat(ddp, opt), os.path.join(out, f"ref-{rank}.pt"))   # each rank's own
             _train(ddp, opt, ckpt, rank, 3, 2)
             ckpt.save()                                   # rank 1 dies writing its slice of step 5
             try:
@@ -190,7 +190,7 @@ def _kill_worker(rank, world, store_path, url, out, phase):
                 json.dump(res, f)
             os._exit(0)   # its peer is dead: no clean shutdown of the group
         res["restored"] = ckpt.restore()
-        res["bitexact"] = torch.equal(_flat(ddp, opt), torch.load(os.path.join(out, "ref.pt")))
+        res["bitexact"] = torch.equal(_flat(ddp, opt), torch.load(os.path.join(out, f"ref-{rank}.pt")))
         _train(ddp, opt, ckpt, rank, 3, 2)
         ckpt.save(block=True)
         ckpt.close()
