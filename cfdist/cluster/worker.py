@@ -8,7 +8,8 @@ the actor serves :meth:`drain`, :meth:`notify` and :meth:`current_step` on other
 
 SIGTERM (a preempted machine shutting down) becomes an emergency ``ckpt.save()`` when the
 rank's recent commit latency fits ``sigterm_grace_s``; the rank exits once it committed (or the
-window passed). The handler is installed when the actor is built on its process's main thread
+window passed) through :func:`cfdist.exits.exit_process` (no interpreter shutdown to race
+gloo's threads). The handler is installed when the actor is built on its process's main thread
 (Python runs signal handlers there only); elsewhere Ray's own handler stays.
 """
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cfdist.cluster.context import RankInfo, TrainContext
+from cfdist.exits import exit_process
 
 log = logging.getLogger("cfdist.worker")
 
@@ -57,7 +59,7 @@ class RankWorker:
                     f"emergency checkpoint ({reason})" if save else f"exiting without a checkpoint ({reason})")
         self.sigterm_handled = True
         if not save:
-            raise SystemExit(1)
+            return exit_process(1)   # returns only where a test replaced os._exit
         target = ctx._step + 1
         writer = any(ck.writer for ck in ctx._ckpts)
 
@@ -65,7 +67,7 @@ class RankWorker:
             deadline = time.time() + self.sigterm_grace_s
             while time.time() < deadline and not (writer and ctx._latest_committed() >= target):
                 time.sleep(0.02)
-            os._exit(1)
+            exit_process(1)
 
         threading.Thread(target=wait_then_exit, name="cfdist-sigterm", daemon=True).start()
 
