@@ -204,25 +204,33 @@ def test_fit_on_one_machine_starts_simulated_nodes_and_every_failure_lands(no_ra
     assert not ray.is_initialized()   # fit stopped the nodes it started
 
 
-def test_a_recovered_crash_is_one_console_line_and_its_details_are_in_the_rank_logs(fake_cluster, tmp_path, capfd):
-    """Rank 1's process is SIGKILLed at step 10 with the progress display on. Real: Ray's log
-    forwarding (Ray copies each worker's stderr into its ``worker-*.err`` file, and the driver
-    prints what lands there), the surviving rank's gloo error and traceback. The point: the
-    driver's console has exactly one line for the recovery (what failed, where it resumed) and
-    none of the ranks' tracebacks or C++ stack frames, not even in Ray's copies of the ranks'
-    stderr; the rank log directory, named by the result and by the console's last line, holds
-    the surviving rank's traceback."""
+@pytest.mark.parametrize("kind", ["crash", "preempt"])
+def test_a_recovered_failure_is_one_console_line_and_its_details_are_in_the_rank_logs(fake_cluster, tmp_path,
+                                                                                     capfd, kind):
+    """Rank 1's process is SIGKILLed at step 10 (crash), or node 0 - rank 0 and the rendezvous
+    store - is removed (preempt), with the progress display on. Real: Ray's log forwarding (Ray
+    copies each worker's stderr into its ``worker-*.err`` file, and the driver prints what lands
+    there), the survivors' gloo and TCPStore errors and tracebacks. The point: the driver's
+    console has exactly one line for the recovery (what failed, where it resumed) and none of
+    the ranks' tracebacks or C++ stack frames, not even in Ray's copies of the processes'
+    stderr; the log directory, named by the result and by the console's last line, holds the
+    surviving rank's traceback."""
     import ray._private.worker
 
-    fake_cluster.ensure_workers(2)
-    result, _ = _fit(fake_cluster, tmp_path, "quiet", schedule=StepSchedule([AtStep(step=10, kind="crash", rank=1)]),
-                     progress=True)
+    if kind == "crash":
+        fake_cluster.ensure_workers(2)
+        where, extra = "rank 1", {"schedule": StepSchedule([AtStep(step=10, kind="crash", rank=1)])}
+    else:
+        fake_cluster.ensure_workers(3)   # two in the group, one to replace node 0
+        where, extra = "node 0", {"schedule": StepSchedule([AtStep(step=10, kind="preempt", node=0)]),
+                                  "remove_node": fake_cluster.remove_node}
+    result, _ = _fit(fake_cluster, tmp_path, "quiet", progress=True, **extra)
     assert result.failures == 1 and result.final_step == STEPS
     console = capfd.readouterr()
     lines = [ln for ln in console.err.splitlines() if ln.startswith("cfdist:")]
     recovery = [ln for ln in lines if "resumed from" in ln]
     assert len(recovery) == 1 and re.fullmatch(
-        r"cfdist: crash of rank 1 at step \d+ \(injected\): resumed from step \d+ \((memory|peer)\)",
+        rf"cfdist: {kind} of {where} at step \d+ \(injected\): resumed from step \d+ \((memory|peer)\)",
         recovery[0]), lines
     assert lines[-1] == f"cfdist: 1 failure(s); details in the rank logs: {result.log_dir}", lines
     noise = ("Traceback", "frame #", "TCPStore", "Connection reset", "Unhandled error", "(RankWorker")
