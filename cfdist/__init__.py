@@ -11,6 +11,7 @@ from cfdist.checkpoint import AgreementError, CheckpointError, Checkpointer, lis
 from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
 from cfdist.cluster import FitError, FitResult, TrainContext
 from cfdist.data import DALIResumableIterator, ResumableLoader, ResumableSampler
+from cfdist.exits import exit_process
 from cfdist.policy import Auto, Every, EveryEpoch
 
 __version__ = "0.1.0"
@@ -19,5 +20,5 @@ __all__ = [
     "AgreementError", "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
     "FitError", "FitResult", "ResumableLoader", "ResumableSampler", "RetryPolicy", "StorageUnavailable", "TrainContext",
     "fit",
-    "codecs", "list_checkpoints", "load", "__version__",
+    "codecs", "exit_process", "list_checkpoints", "load", "__version__",
 ]
