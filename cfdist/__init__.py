@@ -10,8 +10,8 @@ from cfdist.api import fit
 from cfdist.checkpoint import AgreementError, CheckpointError, Checkpointer, list_checkpoints, load
 from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
 from cfdist.cluster import FitError, FitResult, TrainContext
+from cfdist.cluster.exits import exit_process
 from cfdist.data import DALIResumableIterator, ResumableLoader, ResumableSampler
-from cfdist.exits import exit_process
 from cfdist.policy import Auto, Every, EveryEpoch
 
 __version__ = "0.1.0"

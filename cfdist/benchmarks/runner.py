@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from cfdist.benchmarks import measure
-from cfdist.exits import ends_process
+from cfdist.cluster.exits import ends_process
 
 
 @dataclass(kw_only=True)

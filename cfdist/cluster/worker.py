@@ -8,7 +8,7 @@ the actor serves :meth:`drain`, :meth:`notify` and :meth:`current_step` on other
 
 SIGTERM (a preempted machine shutting down) becomes an emergency ``ckpt.save()`` when the
 rank's recent commit latency fits ``sigterm_grace_s``; the rank exits once it committed (or the
-window passed) through :func:`cfdist.exits.exit_process` (no interpreter shutdown to race
+window passed) through :func:`cfdist.cluster.exits.exit_process` (no interpreter shutdown to race
 gloo's threads). The handler is installed when the actor is built on its process's main thread
 (Python runs signal handlers there only); elsewhere Ray's own handler stays.
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from cfdist.cluster.context import RankInfo, TrainContext
 from cfdist.cluster.proc_log import stderr_to_file
-from cfdist.exits import exit_process
+from cfdist.cluster.exits import exit_process
 
 log = logging.getLogger("cfdist.worker")
 

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cfdist.exits import ends_process, exit_process
+from cfdist.cluster.exits import ends_process, exit_process
 
 _keep: list = []
 

@@ -27,7 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cfdist.checkpoint import Checkpointer
-from cfdist.exits import ends_process
+from cfdist.cluster.exits import ends_process
 from cfdist.policy import Auto, TunerConfig
 from cfdist.storage import open_storage
 from cfdist.testing import throttle

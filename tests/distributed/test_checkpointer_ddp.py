@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
-from cfdist.exits import ends_process
+from cfdist.cluster.exits import ends_process
 from cfdist.storage import open_storage
 from cfdist.testing import StorageWrapper
 

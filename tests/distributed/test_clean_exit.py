@@ -1,4 +1,4 @@
-"""Processes cfdist starts end without racing torch's C++ threads (``cfdist.exits``).
+"""Processes cfdist starts end without racing torch's C++ threads (``cfdist.cluster.exits``).
 
 Real: child interpreters with a real gloo group whose last all-reduce's Python callback still
 runs on gloo's worker thread when the process ends (``exit_child.py``: the state in which the
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from cfdist.exits import ends_process
+from cfdist.cluster.exits import ends_process
 
 CHILD = Path(__file__).with_name("exit_child.py")
 
@@ -38,7 +38,7 @@ def test_exit_process_ends_cleanly_where_a_plain_exit_aborts(tmp_path):
     out, err, code = done["plain"]
     assert code == -signal.SIGABRT and "terminate called without an active exception" in err, (
         f"a plain exit no longer aborts (exit code {code}, stderr {err[-500:]!r}): torch may have fixed "
-        f"its gloo teardown, and cfdist.exits may no longer be needed")
+        f"its gloo teardown, and cfdist.cluster.exits may no longer be needed")
     for how in ("exit_process", "ends_process"):
         out, err, code = done[how]
         assert code == 0, f"{how}: exit code {code}, stderr {err[-2000:]!r}"

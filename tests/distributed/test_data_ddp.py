@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cfdist.cluster.exits import ends_process
 from cfdist.data import ResumableLoader
-from cfdist.exits import ends_process
 
 N, BATCH, SEED = 50, 4, 7
 

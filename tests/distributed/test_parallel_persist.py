@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
 from cfdist.checkpoint import discovery
-from cfdist.exits import ends_process, exit_process
+from cfdist.cluster.exits import ends_process, exit_process
 from cfdist.storage import open_storage
 from cfdist.testing import StorageWrapper
 

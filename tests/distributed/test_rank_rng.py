@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
 from cfdist.checkpoint.format import MANIFEST, step_dir
-from cfdist.exits import ends_process
+from cfdist.cluster.exits import ends_process
 
 WORLD = 3
 STEPS, CUT, EVERY = 12, 7, 4

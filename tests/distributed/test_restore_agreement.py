@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 import cfdist
 from cfdist.checkpoint.format import step_dir
-from cfdist.exits import ends_process
+from cfdist.cluster.exits import ends_process
 
 WORLD = 3
 # scenario -> (steps each rank's directory keeps, rank whose step-8 shard is corrupted, restore arg)

@@ -32,7 +32,7 @@ import torch
 import cfdist
 from cfdist.checkpoint import discovery
 from cfdist.checkpoint.format import TMP_MARK, parse_step_dir
-from cfdist.exits import exit_process
+from cfdist.cluster.exits import exit_process
 from cfdist.storage import open_storage
 
 

@@ -70,7 +70,7 @@ def test_sigterm_with_commits_slower_than_the_window_exits_at_once(worker):
     w, ck, exits = worker
     w.ctx._commit_s.extend([5.0, 6.0, 7.0])        # measured commit latencies: ~6 s > 2 s window
     signal.raise_signal(signal.SIGTERM)
-    assert exits == [1]   # through cfdist.exits.exit_process: no interpreter shutdown
+    assert exits == [1]   # through cfdist.cluster.exits.exit_process: no interpreter shutdown
     assert w.ctx.preempted and w.ctx._on_step(ck) is False
 
 

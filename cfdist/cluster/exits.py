@@ -17,7 +17,8 @@ static destructors, nothing left to race. Use it at the end of every process cfd
   a normal return exits 0 through :func:`exit_process`; an exception propagates unchanged, so
   the launcher (``mp.spawn``'s error file, ``multiprocessing``'s traceback) reports it.
 
-Leaf module: imports only the standard library, so any layer may use it.
+In the cluster layer (the processes cfdist starts are its business), below the entry points and
+``launch/`` that also use it; it imports only the standard library.
 """
 
 from __future__ import annotations
