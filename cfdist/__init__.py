@@ -10,6 +10,7 @@ from cfdist.api import fit
 from cfdist.checkpoint import AgreementError, CheckpointError, Checkpointer, list_checkpoints, load
 from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
 from cfdist.cluster import FitError, FitResult, TrainContext
+from cfdist.cluster.exits import exit_process
 from cfdist.data import DALIResumableIterator, ResumableLoader, ResumableSampler
 from cfdist.policy import Auto, Every, EveryEpoch
 
@@ -19,5 +20,5 @@ __all__ = [
     "AgreementError", "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
     "FitError", "FitResult", "ResumableLoader", "ResumableSampler", "RetryPolicy", "StorageUnavailable", "TrainContext",
     "fit",
-    "codecs", "list_checkpoints", "load", "__version__",
+    "codecs", "exit_process", "list_checkpoints", "load", "__version__",
 ]

@@ -103,6 +103,9 @@ def _run(config: FitConfig, local, train_loop, policy, preemption, total_steps, 
     run_id = f"{config.run_name}-{uuid.uuid4().hex[:8]}"
     path = config.event_log or os.path.join("cfdist-runs", config.run_name,
                                             f"events-{time.strftime('%Y%m%d-%H%M%S')}-{run_id[-8:]}.jsonl")
+    if config.log_dir is None:   # the documented default: beside the event log
+        config = dataclasses.replace(
+            config, log_dir=os.path.join(os.path.dirname(os.path.abspath(path)), f"logs-{run_id[-8:]}"))
     events = EventLog(path)
     backend = None
     try:

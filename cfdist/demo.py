@@ -76,6 +76,7 @@ def summary_table(result, title: str = "cfdist.fit summary"):
     t.add_row("wall seconds", f"{result.wall_s:.1f}")
     t.add_row("final checkpoint", str(result.checkpoint))
     t.add_row("event log", str(result.event_log))
+    t.add_row("rank logs (failure details)", str(result.log_dir))
     return t
 
 

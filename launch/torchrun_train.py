@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import cfdist
 from cfdist.checkpoint import CheckpointError
 from cfdist.checkpoint.discovery import committed_steps, copy_checkpoint
+from cfdist.cluster.exits import exit_process
 from cfdist.storage import open_storages
 
 try:                                       # the dataset and model of the Ray example
@@ -136,3 +137,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)   # no gloo thread racing the interpreter's shutdown (cfdist.cluster.exits)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from cfdist.benchmarks import measure
+from cfdist.cluster.exits import ends_process
 
 
 @dataclass(kw_only=True)
@@ -106,6 +107,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
+@ends_process
 def _rank_main(rank: int, block: Block, port: int, root: str, q) -> None:
     _die_with_parent()
     try:
@@ -136,6 +138,8 @@ def _rank_main(rank: int, block: Block, port: int, root: str, q) -> None:
         dist.barrier()
         dist.destroy_process_group()
         q.put({"done": rank})
+        q.close()
+        q.join_thread()   # the queue's feeder thread has sent "done" before the process ends
     except BaseException:
         q.put({"error": rank, "traceback": traceback.format_exc()})
         raise

@@ -100,6 +100,11 @@ class FitConfig:
     """torch.distributed init and collective timeout (a hung collective fails after this)."""
     event_log: str | None = None
     """Path of the JSONL event log; None: ``./cfdist-runs/<run_name>/events-<time>.jsonl``."""
+    log_dir: str | None = None
+    """Directory of the rank processes' logs, one file per process (its stderr: C++ warnings,
+    tracebacks, cfdist's worker log records), the same path on every node. None: ``cfdist.fit``
+    puts them beside the event log, in ``logs-<run id>/``. Ray no longer forwards a rank's
+    stderr to the driver's console; the console gets one line per recovered failure."""
     progress: bool = True
     """Show a progress bar on the driver (rich)."""
     metadata_url: str | None = None

@@ -87,7 +87,7 @@ class Controller:
     def run(self) -> FitResult:
         """Step until a terminal state; return the result or raise :class:`FitError`."""
         self.events.emit("start", world_size=self.config.world_size, nodes=self.config.num_nodes,
-                         run=self.config.run_name)
+                         run=self.config.run_name, logs=self.config.log_dir)
         while not self.state.terminal:
             self.step()
         if isinstance(self.state, FailedState):
@@ -383,7 +383,7 @@ class Controller:
             failure_stats=failure_stats(self.events.records),
             stall_share=self._stall_s / self._running_s if self._running_s > 0 else 0.0,
             checkpoint=self._final_url, value=value, wall_s=self.clock() - self._t0,
-            event_log=self.events.path, world_sizes=tuple(self._world_sizes),
+            event_log=self.events.path, log_dir=self.config.log_dir, world_sizes=tuple(self._world_sizes),
             skipped_injections=tuple(r for r in self.events.records
                                      if r["event"] in ("injection_skipped", "injection_failed")),
         )

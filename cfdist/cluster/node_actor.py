@@ -54,6 +54,7 @@ from cfdist.checkpoint.reader import committed_steps, is_committed, read_manifes
 from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
+from cfdist.cluster.proc_log import stderr_to_file
 from cfdist.storage import open_storages
 
 log = logging.getLogger("cfdist.node")
@@ -167,6 +168,7 @@ class NodeCheckpointer:
 
     def __init__(self, *, config: FitConfig, run_id: str, node_id: str, node_name: str,
                  notices: str | None = None, standby: bool = False):
+        stderr_to_file(config.log_dir, f"node-actor-{node_name}")   # see cfdist.cluster.proc_log
         self._args = (run_id, notices)
         self.config = config
         self.node_id = node_id

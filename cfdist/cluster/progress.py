@@ -1,8 +1,10 @@
 """A progress bar on the driver, fed by the event log (rich).
 
 Shows step (of ``total_steps`` when known), the last reported loss, the newest committed
-checkpoint per tier, failures and the world size. It is an :class:`EventLog` listener: it never
-asks the cluster anything. Use as a context manager on the driver; ``enabled=False`` (or a
+checkpoint per tier, failures and the world size. A failure the run recovers from is one line
+above the bar once training resumed (what failed, and from which step and tier it resumed; a
+failure during the recovery joins the same line); the end names the rank processes' log files,
+where the details are. It is an :class:`EventLog` listener: it never asks the cluster anything. Use as a context manager on the driver; ``enabled=False`` (or a
 non-terminal without ``force``) makes it silent.
 """
 
@@ -19,7 +21,9 @@ class ProgressDisplay:
                  console: Console | None = None):
         self.enabled = enabled
         self.total = total_steps
-        self._state = {"loss": None, "ckpt": {}, "failures": 0, "world": None, "wanted": None, "status": "starting"}
+        self._state = {"loss": None, "ckpt": {}, "failures": 0, "world": None, "wanted": None, "status": "starting",
+                       "logs": None}
+        self._unreported: list[str] = []   # failures since training last resumed
         self._progress = None
         self._console = console or Console(stderr=True)
         if enabled:
@@ -46,6 +50,7 @@ class ProgressDisplay:
         completed = None
         if ev == "start":
             s["wanted"] = rec.get("world_size")
+            s["logs"] = rec.get("logs")
         elif ev == "cluster":
             self._say(rec.get("message", ""))
         if ev in ("step", "metrics"):
@@ -60,18 +65,21 @@ class ProgressDisplay:
             s["failures"] += 1
             s["status"] = f"{rec.get('kind', 'failure')}!"
             where = f"rank {rec['rank']}" if rec.get("rank") is not None else f"node {rec.get('node')}"
-            self._say(f"{rec.get('kind', 'failure')} of {where} at step {rec.get('step')}"
-                      f"{' (injected)' if rec.get('injected') else ''}: recovering")
+            self._unreported.append(f"{rec.get('kind', 'failure')} of {where} at step {rec.get('step')}"
+                                    f"{' (injected)' if rec.get('injected') else ''}")
         elif ev == "restarted":
             s["world"] = rec.get("world_size")
             s["status"] = "restored" if s["failures"] else "running"
         elif ev == "restored":
             completed = rec["step"]
             if "detect_s" in rec:
-                self._say(f"resumed from step {rec['step']} ({rec.get('tier')})")
+                what, self._unreported = ", then ".join(self._unreported), []
+                self._say(f"{what + ': ' if what else ''}resumed from step {rec['step']} ({rec.get('tier')})")
         elif ev == "end":
             completed = rec["step"]
             s["status"] = "done" if "error" not in rec else "failed"
+            if s["logs"] and (s["failures"] or "error" in rec):
+                self._say(f"{s['failures']} failure(s); details in the rank logs: {s['logs']}")
         if self._progress is not None:
             kw = {"completed": completed} if completed is not None else {}
             self._progress.update(self._task, **kw, **self._fields())
@@ -79,7 +87,7 @@ class ProgressDisplay:
     def _say(self, text: str) -> None:
         """A line above the bar (only when the bar is shown)."""
         if self._progress is not None:
-            self._console.print(f"[bold]cfdist[/]: {text}")
+            self._console.print(f"[bold]cfdist[/]: {text}", soft_wrap=True)   # a path stays whole
 
     def __enter__(self):
         if self._progress is not None:

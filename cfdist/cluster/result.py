@@ -81,6 +81,9 @@ class FitResult:
     """What the training function returned on rank 0."""
     wall_s: float = 0.0
     event_log: str | None = None
+    log_dir: str | None = None
+    """Directory of the rank processes' logs (the details of every failure: tracebacks, C++
+    warnings), one file per process, on each node (see ``FitConfig.log_dir``)."""
     world_sizes: tuple[int, ...] = ()
     """World size of each attempt, in order (elastic runs change it)."""
     skipped_injections: tuple[dict, ...] = ()

@@ -8,8 +8,15 @@ the actor serves :meth:`drain`, :meth:`notify` and :meth:`current_step` on other
 
 SIGTERM (a preempted machine shutting down) becomes an emergency ``ckpt.save()`` when the
 rank's recent commit latency fits ``sigterm_grace_s``; the rank exits once it committed (or the
-window passed). The handler is installed when the actor is built on its process's main thread
+window passed) through :func:`cfdist.cluster.exits.exit_process` (no interpreter shutdown to race
+gloo's threads). The handler is installed when the actor is built on its process's main thread
 (Python runs signal handlers there only); elsewhere Ray's own handler stays.
+
+With a ``log_dir``, the process's stderr (file descriptor 2: Python's tracebacks and torch's C++
+warnings alike, e.g. gloo's and TCPStore's "Connection reset by peer" with their stack frames
+when a peer dies) and cfdist's log records go to ``<log_dir>/rank-worker-<pid>.log`` instead
+of Ray's worker log, which Ray forwards to the driver's console. The driver reports a recovered
+failure as one line; the details are in these files.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from cfdist.cluster.context import RankInfo, TrainContext
+from cfdist.cluster.proc_log import stderr_to_file
+from cfdist.cluster.exits import exit_process
 
 log = logging.getLogger("cfdist.worker")
 
@@ -34,13 +43,16 @@ class RankWorker:
     """One rank. Plain class; the driver wraps it with ``ray.remote``."""
 
     def __init__(self, info: RankInfo | None, *, use_gpu: bool, timeout_s: float, cpus: float,
-                 sigterm_grace_s: float = 25.0):
+                 sigterm_grace_s: float = 25.0, log_dir: str | None = None):
+        self.log_path = stderr_to_file(log_dir, "rank-worker")
+        """This process's log file (None: stderr stays Ray's)."""
         self.info = info
         self.use_gpu = use_gpu
         self.timeout = timedelta(seconds=timeout_s)
         if cpus >= 1:
             torch.set_num_threads(max(1, int(cpus)))
         self.ctx: TrainContext | None = None
+        self._log_role()
         self._store = None
         self.sigterm_grace_s = sigterm_grace_s
         self.sigterm_handled = False
@@ -57,7 +69,7 @@ class RankWorker:
                     f"emergency checkpoint ({reason})" if save else f"exiting without a checkpoint ({reason})")
         self.sigterm_handled = True
         if not save:
-            raise SystemExit(1)
+            return exit_process(1)   # returns only where a test replaced os._exit
         target = ctx._step + 1
         writer = any(ck.writer for ck in ctx._ckpts)
 
@@ -65,9 +77,14 @@ class RankWorker:
             deadline = time.time() + self.sigterm_grace_s
             while time.time() < deadline and not (writer and ctx._latest_committed() >= target):
                 time.sleep(0.02)
-            os._exit(1)
+            exit_process(1)
 
         threading.Thread(target=wait_then_exit, name="cfdist-sigterm", daemon=True).start()
+
+    def _log_role(self) -> None:
+        if self.info is not None:
+            log.info("attempt %d: rank %d of %d (node rank %d, pid %d)", self.info.attempt, self.info.rank,
+                     self.info.world_size, self.info.node_rank, os.getpid())
 
     def warm(self, train_fn=None) -> int:
         """A spare (created with ``info=None``) gets ready for a role: imports what a rank needs;
@@ -97,6 +114,7 @@ class RankWorker:
 
         if info is not None:
             self.info = info
+            self._log_role()
 
         ip = ray.util.get_node_ip_address()
         out = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "pid": os.getpid(),
@@ -139,6 +157,10 @@ class RankWorker:
         self._training = True
         try:
             value = train_fn(self.ctx)
+        except BaseException:
+            # the details of a failure: in this rank's log file, not on the driver's console
+            log.exception("rank %d (attempt %d): the training function failed", self.info.rank, self.info.attempt)
+            raise
         finally:
             self._training = False
         out = self.ctx._finish()
@@ -187,3 +209,4 @@ class RankWorker:
     def crash(self) -> None:
         """Die now, as a crashing process does (SIGKILL: no cleanup, no exception)."""
         os.kill(os.getpid(), signal.SIGKILL)
+

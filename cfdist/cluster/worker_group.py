@@ -12,6 +12,7 @@ Call from the driver, one thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import ray
@@ -60,6 +61,7 @@ class RayWorkerGroup:
         self._refs: dict[int, ray.ObjectRef] = {}
         self._results: dict[int, dict] = {}
         self._errors: list[RankError] = []
+        self._read_later: list = []   # run() outcomes handed to _read_in_background
 
     # ---- start --------------------------------------------------------------------------------
     def start(self) -> float:
@@ -207,6 +209,11 @@ class RayWorkerGroup:
         ``keep`` (recycled as spares). Safe to call twice."""
         from cfdist.cluster.quiet import expect_death
 
+        unread = [ref for r, ref in self._refs.items() if r not in self._results
+                  and not any(e.rank == r for e in self._errors) and ref not in self._read_later]
+        if unread:
+            self._read_later.extend(unread)
+            _read_in_background(unread)
         expect_death(*[p for wk, p in zip(self.workers, self.pids()) if id(wk) not in keep])
         for wk in self.workers:
             if id(wk) in keep:
@@ -227,7 +234,26 @@ def new_rank_actor(config: FitConfig, node_id: str, info: RankInfo | None):
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         max_concurrency=4, max_restarts=0, name=None,
     ).remote(info, use_gpu=config.use_gpu, timeout_s=config.rendezvous_timeout_s, cpus=config.cpus_per_worker,
-             sigterm_grace_s=config.sigterm_grace_s)
+             sigterm_grace_s=config.sigterm_grace_s, log_dir=config.log_dir)
+
+
+def _read_in_background(refs: list, timeout_s: float = 60.0) -> None:
+    """Fetch, on a daemon thread, the outcomes of ``run`` calls of a group that is being shut
+    down that nobody read: Ray prints an error nobody fetched ("Unhandled error ...", with the
+    rank's whole traceback) on the driver's console when its reference is dropped. The failure
+    was recorded from the first error already; the details are in the rank's log file."""
+    def read() -> None:
+        try:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except (ray.exceptions.RayError, TimeoutError):
+                    pass   # the expected outcome of a failed group: read so Ray does not print it
+        except Exception as e:  # noqa: BLE001 - Ray shut down meanwhile: nothing left to print
+            log.debug("outcomes of a stopped group left unread: %s", e)
+
+    threading.Thread(target=read, name="cfdist-read-outcomes", daemon=True).start()
 
 
 def _short(e: BaseException) -> str:

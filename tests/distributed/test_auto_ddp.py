@@ -27,6 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cfdist.checkpoint import Checkpointer
+from cfdist.cluster.exits import ends_process
 from cfdist.policy import Auto, TunerConfig
 from cfdist.storage import open_storage
 from cfdist.testing import throttle
@@ -115,6 +116,7 @@ def _side_by_side(rank, pg, hook, steps, ckpt_of, slow_at=None, storage=None):
     return res
 
 
+@ends_process
 def _worker(rank, world, hooks, tune_last, port, root, out):
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
+from cfdist.cluster.exits import ends_process
 from cfdist.storage import open_storage
 from cfdist.testing import StorageWrapper
 
@@ -65,6 +66,7 @@ def _flat(ddp, opt):
     return params, moments
 
 
+@ends_process
 def _worker(rank, init_file, url, out):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))

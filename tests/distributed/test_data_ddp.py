@@ -16,11 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cfdist.cluster.exits import ends_process
 from cfdist.data import ResumableLoader
 
 N, BATCH, SEED = 50, 4, 7
 
 
+@ends_process
 def _rank_main(rank: int, world: int, store_path: str, out_dir: str, state: dict | None, steps: int):
     dist.init_process_group(
         "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world

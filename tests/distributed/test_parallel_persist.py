@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
 from cfdist.checkpoint import discovery
+from cfdist.cluster.exits import ends_process, exit_process
 from cfdist.storage import open_storage
 from cfdist.testing import StorageWrapper
 
@@ -109,6 +110,7 @@ def _init(rank, world, store_path):
     torch.set_num_threads(1)
 
 
+@ends_process
 def _share_worker(rank, world, store_path, urls, out):
     """Checkpoint step 3 (sliced), measure this process's writes; restore into fresh models."""
     _init(rank, world, store_path)
@@ -161,6 +163,7 @@ def test_three_ranks_two_roots_write_their_shares_and_restore_bitexact(tmp_path)
     assert [c["step"] for c in cfdist.list_checkpoints(urls)] == [3, 5]
 
 
+@ends_process
 def _kill_worker(rank, world, store_path, url, out, phase):
     _init(rank, world, store_path)
     res = {}
@@ -188,7 +191,7 @@ def _kill_worker(rank, world, store_path, url, out, phase):
             res["staging"] = sorted(os.listdir(url[len("file://"):]))
             with open(os.path.join(out, f"phase1-rank{rank}.json"), "w") as f:
                 json.dump(res, f)
-            os._exit(0)   # its peer is dead: no clean shutdown of the group
+            exit_process(0)   # its peer is dead: no clean shutdown of the group
         res["restored"] = ckpt.restore()
         res["bitexact"] = torch.equal(_flat(ddp, opt), torch.load(os.path.join(out, f"ref-{rank}.pt")))
         _train(ddp, opt, ckpt, rank, 3, 2)
@@ -418,6 +421,7 @@ def _amp_final(ddp, opt, sched, scaler) -> dict:
                     "python": list(random.getstate()[1])}}
 
 
+@ends_process
 def _amp_worker(rank, world, store_path, url, out, phase):
     _init(rank, world, store_path)
     torch.use_deterministic_algorithms(True)

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
 from cfdist.checkpoint.format import MANIFEST, step_dir
+from cfdist.cluster.exits import ends_process
 
 WORLD = 3
 STEPS, CUT, EVERY = 12, 7, 4
@@ -69,6 +70,7 @@ def _rng_now():
             "python": list(random.getstate()[1])}
 
 
+@ends_process
 def _worker(rank, port, root, out):
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 import cfdist
 from cfdist.checkpoint.format import step_dir
+from cfdist.cluster.exits import ends_process
 
 WORLD = 3
 # scenario -> (steps each rank's directory keeps, rank whose step-8 shard is corrupted, restore arg)
@@ -70,6 +71,7 @@ def _lay_out(src: str, root: str) -> None:
                 open(path, "wb").write(bytes(raw))
 
 
+@ends_process
 def _worker(rank, port, root, out):
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))

@@ -32,6 +32,7 @@ import torch
 import cfdist
 from cfdist.checkpoint import discovery
 from cfdist.checkpoint.format import TMP_MARK, parse_step_dir
+from cfdist.cluster.exits import exit_process
 from cfdist.storage import open_storage
 
 
@@ -279,7 +280,7 @@ def zoo(a: dict) -> None:
                 code = 1
                 with open(os.path.join(a["out"], f"error-{a['run']}-rank{r}.txt"), "w") as f:
                     f.write(traceback.format_exc())
-            os._exit(code)
+            exit_process(code)
         ranks[pid] = r
     failed = None
     while ranks:
@@ -345,7 +346,7 @@ def _child(prog: str, args: dict) -> None:
                 f.write(traceback.format_exc())
         except OSError:
             pass
-    os._exit(code)
+    exit_process(code)
 
 
 def warm_up() -> None:

@@ -19,6 +19,8 @@ import functools
 import glob
 import json
 import os
+import pathlib
+import re
 import signal
 import threading
 
@@ -47,8 +49,8 @@ def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_no
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s)
     result = fit(loop,
                  num_nodes=num_nodes, workers_per_node=1, storage=f"file://{tmp}/{{node}}/local",
-                 policy=Every(EVERY), preemption=schedule, run_name=name, progress=False,
-                 event_log=str(tmp / f"{name}.jsonl"), max_failures=3, **kw)
+                 policy=Every(EVERY), preemption=schedule, run_name=name,
+                 event_log=str(tmp / f"{name}.jsonl"), max_failures=3, **{"progress": False, **kw})
     return result, out
 
 
@@ -200,6 +202,54 @@ def test_fit_on_one_machine_starts_simulated_nodes_and_every_failure_lands(no_ra
     _assert_same(result.value, reference)
     check_exactly_once(str(out), STEPS)
     assert not ray.is_initialized()   # fit stopped the nodes it started
+
+
+@pytest.mark.parametrize("kind", ["crash", "preempt"])
+def test_a_recovered_failure_is_one_console_line_and_its_details_are_in_the_rank_logs(fake_cluster, tmp_path,
+                                                                                     capfd, kind):
+    """Rank 1's process is SIGKILLed at step 10 (crash), or node 0 - rank 0 and the rendezvous
+    store - is removed (preempt), with the progress display on. Real: Ray's log forwarding (Ray
+    copies each worker's stderr into its ``worker-*.err`` file, and the driver prints what lands
+    there), the survivors' gloo and TCPStore errors and tracebacks. The point: the driver's
+    console has exactly one line for the recovery (what failed, where it resumed) and none of
+    the ranks' tracebacks or C++ stack frames, not even in Ray's copies of the processes'
+    stderr; the log directory, named by the result and by the console's last line, holds the
+    surviving rank's traceback."""
+    import ray._private.worker
+
+    if kind == "crash":
+        fake_cluster.ensure_workers(2)
+        where, extra = "rank 1", {"schedule": StepSchedule([AtStep(step=10, kind="crash", rank=1)])}
+    else:
+        fake_cluster.ensure_workers(3)   # two in the group, one to replace node 0
+        where, extra = "node 0", {"schedule": StepSchedule([AtStep(step=10, kind="preempt", node=0)]),
+                                  "remove_node": fake_cluster.remove_node}
+    result, _ = _fit(fake_cluster, tmp_path, "quiet", progress=True, **extra)
+    assert result.failures == 1 and result.final_step == STEPS
+    console = capfd.readouterr()
+    lines = [ln for ln in console.err.splitlines() if ln.startswith("cfdist:")]
+    recovery = [ln for ln in lines if "resumed from" in ln]
+    assert len(recovery) == 1 and re.fullmatch(
+        rf"cfdist: {kind} of {where} at step \d+ \(injected\): resumed from step \d+ \((memory|peer)\)",
+        recovery[0]), lines
+    assert lines[-1] == f"cfdist: 1 failure(s); details in the rank logs: {result.log_dir}", lines
+    noise = ("Traceback", "frame #", "TCPStore", "Connection reset", "Unhandled error", "(RankWorker")
+    assert not [n for n in noise if n in console.out + console.err], console.out + console.err
+
+    assert result.log_dir == str(tmp_path / f"logs-{result.log_dir[-8:]}")
+    files = sorted(pathlib.Path(result.log_dir).glob("*.log"))   # ranks' and spares', node actors'
+    logs = {int(p.stem.rsplit("-", 1)[1]): p.read_text() for p in files}
+    assert sum(p.name.startswith("rank-worker-") for p in files) >= 2, files
+    assert sum(p.name.startswith("node-actor-") for p in files) >= 2, files
+    failed = [text for text in logs.values() if "the training function failed" in text]
+    assert failed and "Traceback" in failed[0], logs
+    # what Ray would forward to the console: its copies of the ranks' stderr hold none of it
+    ray_logs = ray._private.worker._global_node.get_logs_dir_path()
+    copies = {pid: glob.glob(f"{ray_logs}/worker-*-{pid}.err") for pid in logs}
+    assert all(copies.values()), (ray_logs, copies)
+    for pid, paths in copies.items():
+        text = "".join(open(p).read() for p in paths)
+        assert not [n for n in noise if n in text], f"Ray's log of process {pid}:\n{text[-3000:]}"
 
 
 # ---- killing the other processes: the node actor, the driver ------------------------------------

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import cfdist
+from cfdist.cluster.exits import exit_process
 from cfdist.lightning import CheckpointCallback
 
 N, BATCH, EPOCHS = 40, 4, 2
@@ -100,3 +101,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)   # no gloo thread racing the interpreter's shutdown (cfdist.cluster.exits)

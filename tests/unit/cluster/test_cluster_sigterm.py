@@ -69,14 +69,13 @@ def test_sigterm_with_fast_commits_requests_a_checkpoint_and_exits_after_it(work
 def test_sigterm_with_commits_slower_than_the_window_exits_at_once(worker):
     w, ck, exits = worker
     w.ctx._commit_s.extend([5.0, 6.0, 7.0])        # measured commit latencies: ~6 s > 2 s window
-    with pytest.raises(SystemExit):
-        signal.raise_signal(signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)
+    assert exits == [1]   # through cfdist.cluster.exits.exit_process: no interpreter shutdown
     assert w.ctx.preempted and w.ctx._on_step(ck) is False
 
 
 def test_sigterm_outside_training_exits_as_ray_would(worker):
     w, ck, exits = worker
     w._training = False    # a spare, or a rank whose loop returned
-    with pytest.raises(SystemExit):
-        signal.raise_signal(signal.SIGTERM)
-    assert not w.ctx.preempted
+    signal.raise_signal(signal.SIGTERM)
+    assert exits == [1] and not w.ctx.preempted
