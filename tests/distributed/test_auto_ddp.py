@@ -183,7 +183,9 @@ def _assert_agreed_and_untouched(rs, hook, *, tuned):
         assert (x["reads"] > 0) == (r > 0)   # only the other ranks read rank 0's decisions
     assert r0["took"][0] == 10               # the planned profiling snapshot, on every rank
     if tuned:
-        assert r0["phase"] == "tuning" and len(r0["took"]) >= 4
+        # how many checkpoints the run takes depends on the k Auto measures (a loaded machine
+        # gives a larger one): the points are that k changed, and identically on every rank
+        assert r0["phase"] == "tuning"
         assert len(r0["changes"]) >= 2 and r0["changes"][-1][2] > r0["changes"][0][2], r0["reasons"]
         assert all(" because " in r for r in r0["reasons"])
         assert all("agreed from rank 0" in r for res in rs[1:] for r in res[hook]["reasons"])
