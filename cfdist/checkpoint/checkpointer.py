@@ -615,6 +615,7 @@ class Checkpointer:
 
     # ---- phase 1 and the boundary --------------------------------------------------------------
     _snap_host_future = None
+    _buffers_warned = False
 
     def _begin(self, epoch_end: bool) -> float:
         """Start a snapshot of the current step; returns seconds stalled waiting for the previous persist."""
@@ -635,7 +636,14 @@ class Checkpointer:
             # (augmentation); in the ordinary loop nothing else draws before it.
             self._pending["rng"], _ = flatten(st.rng_state(), inline_tensors=True)
         if self._rngx is not None:   # this rank's BatchNorm statistics, encoded before the next forward
-            self._pending["buffers"], _ = flatten(st.rank_buffers(self.state), inline_tensors=True)
+            own = st.rank_buffers(self.state)
+            if own is not None:
+                self._pending["buffers"], _ = flatten(own, inline_tensors=True)
+            elif not self._buffers_warned:
+                self._buffers_warned = True
+                log.warning("rank %d's module buffers exceed %d bytes: they do not travel with its RNG states, "
+                            "and after a restore every rank holds the writer's (DDP's broadcast_buffers makes "
+                            "them equal at the next forward anyway)", self.rank, st.RANK_BUFFERS_MAX_BYTES)
         self._stats["snapshots"] += 1
         self._snapped_step = self._step
         if self.writer:

@@ -89,17 +89,26 @@ def mutable_in_forward(state: dict, tensors: dict[str, torch.Tensor]) -> set[str
     return {n for n, t in tensors.items() if t.numel() and (t.device, t.data_ptr()) in live}
 
 
-def rank_buffers(state: dict) -> dict:
+RANK_BUFFERS_MAX_BYTES = 1 << 20
+"""The most bytes of a rank's own module buffers that travel with its RNG states. They go
+through the c10d Store (whose messages are capped at 8 MiB) and into the manifest, encoded on
+the training thread at each checkpoint: BatchNorm statistics are kilobytes (ResNet-50: 0.2 MB),
+while a large registered buffer (a mask, a table) is the same on every rank anyway."""
+
+
+def rank_buffers(state: dict, limit: int = RANK_BUFFERS_MAX_BYTES) -> dict | None:
     """This rank's module buffers that a checkpoint holds (``{key: {state_dict name: tensor}}``,
-    references to the live tensors: encode them before the next forward). Training thread."""
-    out = {}
+    references to the live tensors: encode them before the next forward), or None when they
+    exceed ``limit`` bytes (then every rank restores the writer's). Training thread."""
+    out, total = {}, 0
     for k, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             sd = obj.state_dict()
             bufs = {n: sd[n] for n, b in obj.named_buffers() if b.numel() and n in sd}
+            total += sum(t.numel() * t.element_size() for t in bufs.values())
             if bufs:
                 out[k] = bufs
-    return out
+    return out if total <= limit else None
 
 
 def with_rank_buffers(saved: dict, own: dict | None) -> dict:

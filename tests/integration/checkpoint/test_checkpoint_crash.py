@@ -39,12 +39,23 @@ def _wait_steps(log: Path, steps: int, pid: int, children, timeout_s: float = 12
         time.sleep(0.005)
 
 
+def _wait_commit(st, newer_than: int | None, pid: int, children, timeout_s: float = 120.0) -> None:
+    """Wait until a step newer than ``newer_than`` is committed (the run makes progress)."""
+    deadline = time.monotonic() + timeout_s
+    while not [s for s in committed_steps(st) if newer_than is None or s > newer_than]:
+        if time.monotonic() > deadline or children.poll(pid) is not None:
+            raise AssertionError(f"training process {pid} committed nothing after step {newer_than} in "
+                                 f"{timeout_s} s (or died)")
+        time.sleep(0.005)
+
+
 def kill_restore_loop(children, out, url, *, kills: int, seed: int, options=None, hidden=1024,
                       wait_for_write=0.5) -> int:
     """``kills`` training processes, each SIGKILLed at a seeded instant, each restored by the next.
 
     With probability ``wait_for_write`` a kill waits until a write is in flight (a staging
-    directory exists). Asserts, for each run, what the test docstrings promise; returns how many
+    directory exists); half of the others wait until a newer step committed (so the run makes
+    progress on any machine), the rest until the child logged a seeded number of steps. Asserts, for each run, what the test docstrings promise; returns how many
     kills interrupted a write.
     """
     st = open_storage(url, **(options or {}))
@@ -63,15 +74,19 @@ def kill_restore_loop(children, out, url, *, kills: int, seed: int, options=None
             assert rep["adam_steps"] == [expected]
         restored.append(rep["restored"])
 
-        if rng.random() < wait_for_write:     # kill while a checkpoint is being written
+        r = rng.random()
+        if r < wait_for_write:                # kill while a checkpoint is being written
             deadline = time.monotonic() + 10
             while not in_flight(st) and time.monotonic() < deadline:
                 time.sleep(0.001)
             time.sleep(rng.uniform(0.0, 0.02))
+        elif r < wait_for_write + (1 - wait_for_write) / 2:   # right after a new commit
+            _wait_commit(st, expected, pid, children)
+            time.sleep(rng.uniform(0.0, 0.05))
         else:                                 # anywhere: a step, a snapshot, a write, a retention delete
             # at a seeded step, then a seeded instant within it: counted in steps, not seconds,
             # so a loaded machine kills as late in training as an idle one does
-            _wait_steps(out / f"a{run}-r0.jsonl", rng.randint(0, 3 * K), pid, children)
+            _wait_steps(out / f"a{run}-r0.jsonl", rng.randint(0, 6 * K), pid, children)
             time.sleep(rng.uniform(0.0, 0.05))
         assert children.kill(pid) == -9, f"run {run} ended by itself; see {out}"
         interrupted += bool(in_flight(st))
