@@ -523,6 +523,7 @@ class FuturePending:
         self._gate = gate
         self._on_abandon = on_abandon
         self._abandoned = False
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         return self._fut.done()
@@ -536,9 +537,10 @@ class FuturePending:
         this backend cannot give writes up."""
         if self._gate is None or not self._gate.abandon():
             return False
-        if not self._abandoned and self._on_abandon is not None:
+        with self._lock:   # the waiter and the pipeline may both give it up: tell the backend once
+            first, self._abandoned = not self._abandoned, True
+        if first and self._on_abandon is not None:
             self._on_abandon(self)
-        self._abandoned = True
         return True
 
 
