@@ -58,6 +58,7 @@ class RayBackend:
         self._spares: dict[str, list[tuple]] = {}   # node id -> [(rank actor, warm ref)]: warm spare ranks
         self._spare_pids: dict[object, int] = {}
         self._recycled: set[int] = set()   # id() of spares that are a failed group's survivors
+        self._started_only: set[int] = set()   # id() of spares started but not warmed up yet
         self._fn_ref = None
         self._notices: list[dict] = []
         self.group: RayWorkerGroup | None = None
@@ -203,17 +204,32 @@ class RayBackend:
             self._kill_spare(actor)
 
     # ---- warm spare ranks ------------------------------------------------------------------------
-    def _refill_spares(self, nodes: list[NodeInfo]) -> None:
-        """Start (non-blocking) spare rank processes until each node has one per rank slot."""
+    def _refill_spares(self, nodes: list[NodeInfo], *, warm: bool = True) -> None:
+        """Start (non-blocking) spare rank processes until each node has one per rank slot.
+
+        ``warm=False``: the processes only start (Ray's worker, torch and cfdist imported:
+        most of a spare's cost); a later call with ``warm=True`` has them finish warming up
+        (the first DDP's imports, the training function's modules). The first group starts
+        its spares that way beside its own ranks, so that a failure soon after the start does
+        not wait for a spare's whole start under the training's load."""
         if not self.config.warm_spares or self.config.use_gpu:
             return
         if self._fn_ref is None:
             self._fn_ref = ray.put(self.train_fn)
         for n in nodes:
             pool = self._spares.setdefault(n.node_id, [])
+            if warm:
+                for i, (actor, _) in enumerate(pool):
+                    if id(actor) in self._started_only:
+                        self._started_only.discard(id(actor))
+                        pool[i] = (actor, actor.warm.remote(self._fn_ref))
             while len(pool) < self.config.workers_per_node:
                 actor = new_rank_actor(self.config, n.node_id, None)
-                pool.append((actor, actor.warm.remote(self._fn_ref)))
+                if warm:
+                    pool.append((actor, actor.warm.remote(self._fn_ref)))
+                else:
+                    self._started_only.add(id(actor))
+                    pool.append((actor, actor.pid.remote()))
 
     def _take_spares(self, nodes: list[NodeInfo]) -> dict[str, list]:
         """Up to ``workers_per_node`` warm spares of each of ``nodes`` (removed from the pool),
@@ -349,6 +365,10 @@ class RayBackend:
         spare_wait_s = time.perf_counter() - t_wait
         recycled = sum(id(a) in self._recycled for pool in spares.values() for a in pool)
         self._recycled.clear()   # spares left in the pool are plain spares from now on
+        if self.group is None:
+            # the job's first group: its spares start beside its ranks (start-up, not training,
+            # pays their imports); they warm up once it runs (refill_spares)
+            self._refill_spares(nodes, warm=False)
         group = RayWorkerGroup(config=self.config, nodes=nodes, node_actors=[self.actors[n.node_id] for n in nodes],
                                tiers=[self.tiers[n.node_id] for n in nodes], attempt=attempt,
                                train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares)
