@@ -49,23 +49,40 @@ def _job(tmp: Path, out: Path, *, max_restarts: int, sleep: float) -> list[subpr
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id=job-{port}", f"--rdzv-conf=is_host={int(node == 0)}", "--monitor-interval=0.2",
+               f"--rdzv-id=job-{port}", f"--rdzv-conf=is_host={int(node == 0)},join_timeout=60", "--monitor-interval=0.2",
                str(SCRIPT), "--local-storage", f"file://{tmp}/node{node}", "--steps", str(STEPS), "--every", "4",
                "--record", str(out), "--step-sleep", str(sleep)]
+        env["PYTHONFAULTHANDLER"] = "1"   # a worker killed by a signal leaves its stacks in the log
         log = open(out / f"agent{node}.log", "ab")
         agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log, start_new_session=True))
     return agents
 
 
-def _wait(agents, out, timeout=300) -> None:
+def _wait(agents, out, timeout=150) -> None:
+    """Both agents exit 0 within ``timeout`` (a job takes 15-40 s here; under pytest's own
+    300 s limit, so that a hang fails with the agents' logs, not with pytest's stack dump)."""
     deadline = time.monotonic() + timeout
     for a in agents:
         try:
             rc = a.wait(timeout=max(1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            _dump_stacks(agents)
             _kill(agents)
-            raise
+            raise AssertionError(f"the torchrun job did not finish within {timeout} s:\n" + _logs(out)) from None
         assert rc == 0, f"agent failed ({rc}):\n" + _logs(out)
+
+
+def _dump_stacks(agents) -> None:
+    """SIGABRT every worker (faulthandler writes its Python stacks into its agent's log)."""
+    workers = [p for a in agents for p in _tree(a.pid) if p != a.pid]
+    for p in workers:
+        try:
+            os.kill(p, signal.SIGABRT)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _logs(out: Path) -> str:
