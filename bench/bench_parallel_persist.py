@@ -47,7 +47,7 @@ def _rank(rank, world, store, url, mb, writers, out):
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         model(torch.randn(2, width)).sum().backward()
         ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, url, cfdist.Every(10 ** 9),
-                                   writers=writers, rank=rank, world_size=world)
+                                   writers=writers, group=cfdist.GroupOptions(rank=rank, world_size=world))
         ckpt.step(opt)
         dist.barrier()
         if rank == 0:

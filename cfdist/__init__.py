@@ -7,7 +7,9 @@ on its own: ``import cfdist`` does not load it).
 
 from cfdist import codecs
 from cfdist.api import fit
-from cfdist.checkpoint import AgreementError, CheckpointError, Checkpointer, list_checkpoints, load
+from cfdist.checkpoint import (
+    AgreementError, CheckpointError, Checkpointer, GroupOptions, LoadOptions, PersistOptions, list_checkpoints, load,
+)
 from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
 from cfdist.cluster import FitError, FitResult, TrainContext
 from cfdist.cluster.exits import exit_process
@@ -18,7 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgreementError", "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
-    "FitError", "FitResult", "ResumableLoader", "ResumableSampler", "RetryPolicy", "StorageUnavailable", "TrainContext",
+    "FitError", "FitResult", "GroupOptions", "LoadOptions", "PersistOptions", "ResumableLoader", "ResumableSampler", "RetryPolicy", "StorageUnavailable", "TrainContext",
     "fit",
     "codecs", "exit_process", "list_checkpoints", "load", "__version__",
 ]

@@ -29,6 +29,7 @@ extra collective. Lightning's ``ModelCheckpoint`` may run alongside (it writes i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 try:
@@ -38,7 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from cfdist.checkpoint import Checkpointer
+from cfdist.checkpoint import Checkpointer, GroupOptions
 from cfdist.checkpoint.state import rng_state, set_rng_state
 
 log = logging.getLogger("cfdist.lightning")
@@ -106,9 +107,10 @@ class CheckpointCallback(pl.Callback):
         for i, cfg in enumerate(trainer.lr_scheduler_configs):
             state[f"scheduler{i}"] = cfg.scheduler
         state["fit_loop"] = self._loop = _FitLoopState(trainer)
-        self.ckpt = Checkpointer(state, self.storage, self.policy, keep=self.keep,
-                                 rank=trainer.global_rank, world_size=trainer.world_size,
-                                 **self.checkpointer_kwargs)
+        kwargs = dict(self.checkpointer_kwargs)
+        group = dataclasses.replace(kwargs.pop("group", None) or GroupOptions(), rank=trainer.global_rank,
+                                    world_size=trainer.world_size)
+        self.ckpt = Checkpointer(state, self.storage, self.policy, keep=self.keep, group=group, **kwargs)
         if trainer.ckpt_path is not None:
             log.info("fit(ckpt_path=%s) given: Lightning restores it; cfdist does not restore from %s",
                      trainer.ckpt_path, self.storage)

@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     ckpt = cfdist.Checkpointer(
         {"model": model, "optim": opt, "data": loader}, a.local_storage,
         cfdist.Every(a.every) if a.every else cfdist.Auto(), keep=2,
-        writer=local_rank == 0,                    # one copy per node, on the node's own disk
+        writers=local_rank == 0,                   # one copy per node, on the node's own disk
         restore_from=[a.shared_storage] if a.shared_storage else None)
     restored = ckpt.restore()
     stop = threading.Event()

@@ -201,7 +201,7 @@ class Cfdist(Method):
                   else _FromStepOne(cfdist.Every(self.k)))
         self.ckpt = cfdist.Checkpointer({"model": self.model, "optim": self.opt},
                                         urls if self.roots > 1 else urls[0], policy=policy,
-                                        backend=self.backend)
+                                        persist=cfdist.PersistOptions(backend=self.backend))
 
     def phase(self, step: int) -> bool:
         before = self.ckpt._stats["snapshots"]   # counts every snapshot started, whatever the policy

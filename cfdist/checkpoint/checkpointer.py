@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
 
 import torch
 
@@ -41,98 +40,18 @@ from cfdist.checkpoint.persist import (
 )
 from cfdist.checkpoint.pipeline import PersistPipeline
 from cfdist.checkpoint.slice_commit import SliceCommit
-from cfdist.checkpoint.retry import RetryPolicy
+from cfdist.checkpoint.options import (
+    CheckpointerConfig, GroupOptions, LoadOptions, PersistOptions, from_legacy,
+)
 from cfdist.checkpoint.snapshot import Snapshotter
 from cfdist.policy.base import StepMeasurement, as_policy
 from cfdist.storage import open_storages
-from cfdist.storage.direct import check_mode as check_io, resolve as resolve_io
+from cfdist.storage.direct import resolve as resolve_io
 from cfdist.storage.redact import redact
 
 log = logging.getLogger("cfdist.checkpointer")
 
 HISTORY = "history.json"
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointerConfig:
-    """Settings of a :class:`Checkpointer` (live objects are constructor arguments, not fields)."""
-
-    keep: int = 2
-    """Newest committed checkpoints to keep (the one in flight comes on top). Two, so that a
-    restore that finds the newest one corrupt falls back to the previous one."""
-    keep_epoch_ends: int = 0
-    """Also keep the ``N`` most recent checkpoints taken at an epoch boundary (0 or False: none
-    beyond the ``keep`` newest; True: all of them, unbounded: storage grows with every epoch).
-    A node's in-memory tier under ``cfdist.fit`` never keeps them."""
-    backend: str = "thread"
-    """Where persist runs: ``"thread"`` (default, measured best) or ``"process"``."""
-    verify: bool = True
-    """Check every tensor's checksum on restore."""
-    persist_timeout_s: float | None = None
-    """Give a persist up after this many seconds (a hung disk or object store): it counts as
-    failed (``stats``, log, ``wait()``), its writer can no longer commit it, training goes on,
-    and the next checkpoint is written by a fresh writer into fresh snapshot buffers (the hung
-    writer keeps the old ones: one state's size of host memory per hung write). None: wait
-    forever. Holds on any world size, with any ``writers`` and ``buffers`` and on every backend
-    (thread, process, node actor): a sliced step that one writer gives up is given up by every
-    writer, and rank 0 can no longer commit it (:mod:`cfdist.checkpoint.slice_commit`). The
-    timeout counts from when the persist starts (not while it waits behind an earlier one)."""
-    read_retry: RetryPolicy = RetryPolicy()
-    """How storage errors while listing or reading checkpoints are retried before restore raises
-    (they never make it fall back to an older checkpoint; see :mod:`cfdist.checkpoint.retry`)."""
-    lookahead: int = 8
-    """Multi-rank: steps per agreement window. Rank 0's decisions (k, save requests) apply
-    ``lookahead`` to ``2 * lookahead`` steps after it made them; other ranks read the store once
-    per window."""
-    agree_timeout_s: float = 1800.0
-    """Multi-rank: how long a rank waits for the others through the store (the agreed k, every
-    rank's RNG states, restore, the other writers' slices) before raising ``AgreementError``
-    naming the missing keys."""
-    writers: str | int = "node"
-    """Who persists each checkpoint. ``"node"`` (default): one writer (``writer=``; rank 0 unless
-    told otherwise) writes the full state. ``"all"``: every rank writes a disjoint slice of about
-    ``1/world_size`` of the bytes from its own replica, and rank 0 commits once every slice is
-    durable (:mod:`cfdist.checkpoint.slices`). An int ``N``: ranks ``0..N-1`` write a slice each."""
-    buffers: int = 1
-    """Sets of snapshot buffers. 1: a snapshot waits until the previous checkpoint's persist
-    ended. 2 (double buffering): snapshot i+1 copies into the second set while persist i still
-    writes, and waits only when both sets are held by persists; persists still run one at a
-    time, in step order. Host memory for snapshots: ``buffers`` x the state's tensor bytes
-    (``stats["arena_bytes"]``); GPU snapshot memory stays 1 x. A failure can then lose the
-    checkpoints of up to ``buffers`` intervals in flight: lost work <= (buffers + 1) x k."""
-    io: str = "auto"
-    """How shard files are written on local ``file://`` roots: ``"auto"`` (``O_DIRECT`` from the
-    page-aligned arenas where the filesystem supports it, else buffered, one log line per
-    filesystem), ``"direct"`` (refuse a root whose filesystem does not) or ``"buffered"`` (page
-    cache; the pages are dropped after fsync either way). Remote roots always write through
-    fsspec. See :mod:`cfdist.storage.direct`."""
-
-    def __post_init__(self):
-        if not isinstance(self.lookahead, int) or self.lookahead < 1:
-            raise ValueError(f"lookahead must be an int >= 1 (steps per agreement window), got {self.lookahead!r}")
-        if not (isinstance(self.agree_timeout_s, (int, float)) and self.agree_timeout_s > 0):
-            raise ValueError(f"agree_timeout_s must be seconds > 0, got {self.agree_timeout_s!r}")
-        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 1:
-            raise ValueError(f"keep must be an int >= 1 (newest checkpoints to keep), got {self.keep!r}")
-        if not isinstance(self.keep_epoch_ends, int) or self.keep_epoch_ends < 0:
-            raise ValueError(f"keep_epoch_ends must be an int >= 0 (how many of the most recent epoch-end "
-                             f"checkpoints to keep; True keeps all, False none), got {self.keep_epoch_ends!r}")
-        if self.backend not in ("thread", "process"):
-            raise ValueError(f"backend must be 'thread' or 'process', got {self.backend!r}")
-        t = self.persist_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            raise ValueError(f"persist_timeout_s must be a number of seconds > 0, or None to wait forever; "
-                             f"got {t!r}")
-        if not isinstance(self.buffers, int) or isinstance(self.buffers, bool) or not 1 <= self.buffers <= 4:
-            raise ValueError(f"buffers must be an int in [1, 4] (sets of snapshot buffers: 2 lets a snapshot "
-                             f"start while the previous persist still writes), got {self.buffers!r}")
-        check_io(self.io)
-        w = self.writers
-        if not (w in ("node", "all") or (isinstance(w, int) and not isinstance(w, bool) and w >= 1)):
-            raise ValueError(f"writers must be 'node' (one writer per node writes the full state), 'all' (every "
-                             f"rank writes a slice) or an int N >= 1 (ranks 0..N-1 write a slice each); got {w!r}")
-        if not isinstance(self.read_retry, RetryPolicy):
-            raise TypeError(f"read_retry must be a cfdist.checkpoint.retry.RetryPolicy, got {self.read_retry!r}")
 
 
 def _default_policy():
@@ -142,6 +61,19 @@ def _default_policy():
         from cfdist.policy.base import Every
         return Every(50)
     return Auto()
+
+
+def _legacy_writer(writer: bool, writers):
+    """``writers`` given the deprecated ``writer=`` (a bool): it becomes ``writers=writer``
+    unless ``writers`` says otherwise (a ValueError), or asks for slices (then ``writer`` must
+    agree with the rank's slice role: :meth:`Checkpointer._slice_plan` checks it)."""
+    warnings.warn(f"Checkpointer(writer=...) is deprecated: pass writers={writer} (this rank writes the full "
+                  f"state, or nothing)", DeprecationWarning, stacklevel=3)
+    if writers == "node":
+        return writer
+    if isinstance(writers, bool) and writers != writer:
+        raise ValueError(f"writer={writer} contradicts writers={writers}; pass writers= only")
+    return writers
 
 
 class _Handle:
@@ -167,31 +99,31 @@ class Checkpointer:
         storage: an fsspec URL, or a list of URLs to stripe each checkpoint over (several disks).
         policy: when to checkpoint (``cfdist.Every(k)``, ``cfdist.EveryEpoch()``,
             ``cfdist.Auto()``); default ``cfdist.Auto()``.
-        rank, world_size: default from torch.distributed when initialised, else 0 and 1.
-        writer: whether this process persists the whole state (default: rank 0); for
-            ``writers="node"`` only (with ``writers="all"``/N it may be left out, or must agree).
-        writers: ``"node"`` (default: the one ``writer`` writes everything), ``"all"`` (every
-            rank writes a byte-balanced slice, rank 0 commits once all are durable) or an int
-            N (ranks 0..N-1 do). Needs storage every writer sees; see :class:`CheckpointerConfig`.
-        backend: ``"thread"``, ``"process"`` or a :class:`PersistBackend` (e.g. a node actor).
-        restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
-            e.g. an in-memory tier before and a shared tier after the node-local one.
-        storage_options: passed to fsspec (credentials, endpoint_url, ...).
-        persist_timeout_s: give a hung persist up after this many seconds (see
-            :class:`CheckpointerConfig`); default: wait forever.
-        read_retry: a :class:`~cfdist.checkpoint.retry.RetryPolicy` for storage errors while
-            restoring (default: 4 tries over about 1.75 s).
-        store: the c10d Store ranks agree through (default: torch.distributed's, when
-            initialised); needed when ``world_size > 1``.
-        lookahead, agree_timeout_s: see :class:`CheckpointerConfig`.
+        keep: newest committed checkpoints to keep (default 2).
+        keep_epoch_ends: also keep the N most recent epoch-end checkpoints (default 0).
+        writers: who persists: ``"node"`` (default: rank 0 writes the full state),
+            ``True``/``False`` (this rank writes the full state / nothing; e.g.
+            ``local_rank == 0`` for a copy on each node's disk), ``"all"`` (every rank writes a
+            byte-balanced slice, rank 0 commits once all are durable) or an int N (ranks
+            0..N-1 do); see :class:`CheckpointerConfig`.
+        buffers: sets of snapshot buffers; 2 lets snapshot i+1 start while persist i still
+            writes (double buffering, 2 x the state in host memory).
         codecs: ``cfdist.codecs`` objects that make checkpoints smaller (``Incremental``,
             ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
             the plain safetensors format.
-        keep, keep_epoch_ends, verify: see :class:`CheckpointerConfig`.
-        buffers: sets of snapshot buffers; 2 lets snapshot i+1 start while persist i still
-            writes (double buffering, 2 x the state in host memory); see :class:`CheckpointerConfig`.
-        io: ``"auto"`` (default: ``O_DIRECT`` on local disks that support it), ``"direct"`` or
-            ``"buffered"``; see :class:`CheckpointerConfig`.
+        restore_from: further storages (URL or list of URLs each) that ``restore`` searches,
+            e.g. an in-memory tier before and a shared tier after the node-local one.
+        storage_options: passed to fsspec (credentials, endpoint_url, ...).
+        persist: :class:`~cfdist.PersistOptions` (backend, ``timeout_s`` for a hung persist,
+            file I/O mode).
+        load: :class:`~cfdist.LoadOptions` (checksums, retries of storage errors on restore).
+        group: :class:`~cfdist.GroupOptions` (rank, world size, the store ranks agree through,
+            agreement window and timeout); defaults from torch.distributed.
+
+    The flat keywords of earlier versions (``persist_timeout_s=``, ``backend=``, ``io=``,
+    ``verify=``, ``read_retry=``, ``rank=``, ``world_size=``, ``store=``, ``lookahead=``,
+    ``agree_timeout_s=``, ``writer=``) still work, with a ``DeprecationWarning`` naming the new
+    spelling.
 
     A checkpoint of step i is the state at the end of iteration i. Parameters and optimizer
     state are copied while iteration i+1 runs (its update waits for the copy: the gate); what a
@@ -202,39 +134,42 @@ class Checkpointer:
     Config = CheckpointerConfig
 
     def __init__(self, state: dict, storage, policy=None, *, keep: int = 2, keep_epoch_ends: int = 0,
-                 rank: int | None = None, world_size: int | None = None, writer: bool | None = None,
-                 backend: str | PersistBackend = "thread", restore_from=None,
-                 storage_options: dict | None = None, verify: bool = True, store=None,
-                 lookahead: int = 8, agree_timeout_s: float = 1800.0, codecs=None,
-                 read_retry: RetryPolicy | None = None, persist_timeout_s: float | None = None,
-                 buffers: int = 1, io: str = "auto", writers: str | int = "node"):
-        self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends,
-                                         backend=backend if isinstance(backend, str) else "thread",
-                                         verify=verify, lookahead=lookahead, agree_timeout_s=agree_timeout_s,
-                                         read_retry=read_retry or RetryPolicy(), persist_timeout_s=persist_timeout_s,
-                                         buffers=buffers, io=io, writers=writers)
+                 writers: str | int | bool = "node", buffers: int = 1, codecs=None, restore_from=None,
+                 storage_options: dict | None = None, persist: PersistOptions | None = None,
+                 load: LoadOptions | None = None, group: GroupOptions | None = None, **deprecated):
+        writer = deprecated.pop("writer", None)
+        groups = from_legacy({"persist": persist, "load": load, "group": group}, deprecated)
+        if writer is not None:
+            writers = _legacy_writer(bool(writer), writers)
+        self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends, writers=writers, buffers=buffers,
+                                         persist=groups["persist"] or PersistOptions(),
+                                         load=groups["load"] or LoadOptions(), group=groups["group"] or GroupOptions())
+        persist, grp = self.config.persist, self.config.group
         self.state = state
         self._kinds = st.classify(state)
         self.storages = open_storages(storage, **(storage_options or {}))
         self.tiers = [self.storages] + [open_storages(s, **(storage_options or {})) for s in (restore_from or [])]
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.rank = rank if rank is not None else (torch.distributed.get_rank() if dist else 0)
-        self.world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if dist else 1)
+        self.rank = grp.rank if grp.rank is not None else (torch.distributed.get_rank() if dist else 0)
+        self.world_size = (grp.world_size if grp.world_size is not None
+                           else (torch.distributed.get_world_size() if dist else 1))
         self._slicer = self._slice_plan(writer, codecs)
         if self._slicer is not None:
             self.writer = self.rank < self._slicer.writers
+        elif isinstance(self.config.writers, bool):
+            self.writer = self.config.writers
         else:
-            self.writer = (self.rank == 0) if writer is None else bool(writer)
+            self.writer = self.rank == 0
         self.policy = policy if policy is not None else _default_policy()
         self._policy = as_policy(self.policy)   # every hook of cfdist.policy.Policy; TypeError if not a policy
-        if isinstance(backend, str):
+        if isinstance(persist.backend, str):
             # the filesystem's own options: storage_options plus any credentials taken from the URL
             self.backend: PersistBackend = (ProcessBackend(self.storages, dict(self.storages[0].fs.storage_options))
-                                            if backend == "process" else ThreadBackend(self.storages))
+                                            if persist.backend == "process" else ThreadBackend(self.storages))
         else:
-            self.backend = backend
-        self._channel, self._rngx = self._agreement_channel(store), None
-        self._freq = agreement.Frequency(self._channel, rank=self.rank, lookahead=self.config.lookahead)
+            self.backend = persist.backend
+        self._channel, self._rngx = self._agreement_channel(grp.store), None
+        self._freq = agreement.Frequency(self._channel, rank=self.rank, lookahead=grp.lookahead)
         # The one process that commits, sweeps and keeps the run's files (history, profile).
         self._commits = commits = self.writer and self.rank == 0 if self._slicer is not None else self.writer
         if self._channel is not None:
@@ -249,7 +184,7 @@ class Checkpointer:
         self._restores = 0
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory,
                                  buffers=self.config.buffers)
-        if self.writer and io == "direct":   # asked for explicitly: refuse where it cannot be had
+        if self.writer and persist.io == "direct":   # asked for explicitly: refuse where it cannot be had
             for st_ in self.storages:
                 if not st_.is_local:
                     raise ValueError(f"io='direct' needs local file:// roots; {st_.url} is written through "
@@ -274,7 +209,7 @@ class Checkpointer:
         # This run's lineage (retention deletes only its ancestors); restore() replaces it.
         self._lineage = retention.job_lineage(self._channel)   # one per job: every writer's copies match
         self._rolled_back: dict[int, str] = {}   # step -> why restore rolled back past it
-        latest = discovery.find_latest([self.storages], retry=self.config.read_retry)
+        latest = discovery.find_latest([self.storages], retry=self.config.load.read_retry)
         self._latest: int | None = None
         self.latest_step = latest.step if latest else None
         self._hooks = []
@@ -293,7 +228,7 @@ class Checkpointer:
     def _slice_plan(self, writer: bool | None, codecs) -> "slices.Slicer | None":
         """The sliced-persist plan of this rank (``writers="all"`` or N >= 2), or None (one writer)."""
         w = self.config.writers
-        if w == "node":
+        if w == "node" or isinstance(w, bool):
             return None
         n = self.world_size if w == "all" else w
         if n > self.world_size:
@@ -301,8 +236,8 @@ class Checkpointer:
                              f"{self.world_size} can write a slice; pass writers='all' or an int <= {self.world_size}")
         if writer is not None and bool(writer) != (self.rank < n):
             raise ValueError(f"writer={writer!r} contradicts writers={w!r} on rank {self.rank}: with writers='all' "
-                             f"or N, ranks 0..{n - 1} write a slice each and the others none; pass one of writer= "
-                             f"(one writer per node) or writers=, not both")
+                             f"or N, ranks 0..{n - 1} write a slice each and the others none; pass writers= only "
+                             f"(writer= is deprecated)")
         if n == 1:
             return None
         if codecs:
@@ -322,7 +257,7 @@ class Checkpointer:
                 f"a c10d Store. Fix: call torch.distributed.init_process_group() before building the "
                 f"Checkpointer, or pass store= (e.g. a torch.distributed.TCPStore every rank reaches)")
         return agreement.Channel(store, rank=self.rank, world_size=self.world_size,
-                                 timeout_s=self.config.agree_timeout_s)
+                                 timeout_s=self.config.group.agree_timeout_s)
 
     # ---- policy wiring -------------------------------------------------------------------------
     def _bind_policy(self) -> None:
@@ -725,7 +660,7 @@ class Checkpointer:
                       for i, (g, es) in enumerate(indexed)]
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
-                             arenas=[a.buf for a in host], codecs=self.codecs, io=self.config.io,
+                             arenas=[a.buf for a in host], codecs=self.codecs, io=self.config.persist.io,
                              codec_session=self._codec_session, rolled_back=dict(self._rolled_back) or None)
             # non-blocking by the backend protocol
             self._inflight.append((self._pipeline.submit(job), p["slot"]))
@@ -745,7 +680,7 @@ class Checkpointer:
         handler) propagates and leaves ``_inflight`` as it was, so the next snapshot waits for
         that persist again before it copies into the arenas the persist may still read.
         """
-        t = self.config.persist_timeout_s
+        t = self.config.persist.timeout_s
         while True:
             with self._lock:
                 running = [p for p, _ in self._inflight if not p.done()]
@@ -771,7 +706,7 @@ class Checkpointer:
 
     def _expire_inflight(self) -> bool:
         """Give up the persists that ran past ``persist_timeout_s``; True if one was."""
-        t = self.config.persist_timeout_s
+        t = self.config.persist.timeout_s
         if t is None:
             return False
         expired = False
@@ -839,7 +774,7 @@ class Checkpointer:
         restores that step or raises. Each rank loads its own RNG states (see
         :func:`cfdist.checkpoint.state.rank_rng_state`).
         """
-        cands = discovery.candidates(self.tiers, retry=self.config.read_retry)
+        cands = discovery.candidates(self.tiers, retry=self.config.load.read_retry)
         if step is not None:
             cands = discovery.with_rejected(self.tiers, cands, step)
             if self._channel is None and not any(c.step == step for c in cands):
@@ -854,8 +789,8 @@ class Checkpointer:
         def try_load(s: int) -> str | None:
             # A storage error that outlasts the retries raises (StorageUnavailable): it must not
             # look like an unusable step, or the ranks would agree on rolling back past it.
-            found, errs = discovery.load_first([c for c in cands if c.step == s], verify=self.config.verify,
-                                               retry=self.config.read_retry, extra=rank_rng,
+            found, errs = discovery.load_first([c for c in cands if c.step == s], verify=self.config.load.verify,
+                                               retry=self.config.load.read_retry, extra=rank_rng,
                                                on_reject=self._warn_unusable)
             rejected.extend(errs)
             if found is None:

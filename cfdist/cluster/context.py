@@ -21,13 +21,14 @@ actor on another thread; they only touch lock-protected fields).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from cfdist.checkpoint import Checkpointer
+from cfdist.checkpoint import Checkpointer, GroupOptions, PersistOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,10 +111,15 @@ class TrainContext:
         policy = policy if policy is not None else _fresh(self._policy)
         policy = _memory_every(policy, self._policy, memory=bool(self._tiers.get("memory")))
         node_tiers = [u for u in (self._tiers.get("memory"), self._tiers.get("local")) if u]
+        # local rank 0 of each node writes, through its node actor; the user's own groups keep
+        # everything else they say (a persist timeout, an agreement timeout, ...)
+        persist = dataclasses.replace(kwargs.pop("persist", None) or PersistOptions(),
+                                      backend=ActorBackend(self._node_actor, self.attempt, policy))
+        group = dataclasses.replace(kwargs.pop("group", None) or GroupOptions(), rank=self.rank,
+                                    world_size=self.world_size)
         ck = _FitCheckpointer(
-            self, state, node_tiers[0], policy, keep=self._keep, rank=self.rank,
-            world_size=self.world_size, writer=self.local_rank == 0,
-            backend=ActorBackend(self._node_actor, self.attempt, policy), restore_from=node_tiers[1:], **kwargs)
+            self, state, node_tiers[0], policy, keep=self._keep, writers=self.local_rank == 0,
+            persist=persist, group=group, restore_from=node_tiers[1:], **kwargs)
         self._ckpts.append(ck)
         return ck
 

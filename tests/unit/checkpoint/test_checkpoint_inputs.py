@@ -47,7 +47,7 @@ def test_malformed_state_is_a_type_error(state, why, memory_url):
 
 
 @pytest.mark.parametrize("kw, why", [({"keep": 0}, "keep must be an int >= 1"),
-                                     ({"backend": "gpu"}, "backend must be 'thread' or 'process'")])
+                                     ({"backend": "gpu"}, "PersistOptions.backend must be 'thread', 'process'")])
 def test_bad_settings_are_value_errors(model, memory_url, kw, why):
     with pytest.raises(ValueError, match=why):
         cfdist.Checkpointer({"model": model}, memory_url, cfdist.Every(1), **kw)
