@@ -156,7 +156,8 @@ def main(argv=None) -> int:
         loop = functools.partial(train_loop, steps=steps, hidden=a.hidden, layers=a.layers,
                                  step_s=a.step_s if name.startswith("fail-") else 0.0)
         res = fit(loop, num_nodes=2, workers_per_node=1, storage=f"file://{work}/{{node}}/local",
-                  policy=policy, preemption=schedule, run_name=name, progress=False, event_log=log,
+                  policy=policy, preemption=schedule, run_name=name,
+                  output=cfdist.OutputOptions(progress=False, event_log=log),
                   remove_node=lc.remove_node, add_node=lc.add_node, max_failures=a.failures + 3, **kw)
         wall = time.perf_counter() - t0
         con.print(f"  {name}: {wall:.1f}s wall, final step {res.final_step}, "
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
             for i in range(a.reps):
                 for n in runs:
                     res, recs = run(f"memory-every-{n}-{i}", policy=cfdist.Auto(), steps=a.steps,
-                                    memory_every=None if n == "off" else 1)
+                                    tiers=cfdist.TierOptions(memory_every=None if n == "off" else 1))
                     runs[n]["s_per_step"].append(seconds_per_step(recs))
                     runs[n]["wall_s"].append(walls[f"memory-every-{n}-{i}"])
             base = statistics.median(runs["off"]["s_per_step"])

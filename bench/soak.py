@@ -374,8 +374,8 @@ def node_actor_lane(stop: threading.Event, counters: Counters, root: Path, seed:
                                      step_sleep_s=0.02)
             try:
                 result = fit(loop, num_nodes=1, workers_per_node=1, storage=f"file://{local}/{{node}}",
-                             policy=cfdist.Every(4), run_name=name, progress=False, max_failures=10_000,
-                             event_log=str(out / "events.jsonl"))
+                             policy=cfdist.Every(4), run_name=name, max_failures=10_000,
+                             output=cfdist.OutputOptions(progress=False, event_log=str(out / "events.jsonl")))
                 if result.final_step != steps:
                     counters.bad("lost", f"fit {name} ended at step {result.final_step}, wanted {steps}")
             except Exception as e:  # noqa: BLE001 - counted: the run must complete

@@ -6,7 +6,7 @@ on its own: ``import cfdist`` does not load it).
 """
 
 from cfdist import codecs
-from cfdist.api import fit
+from cfdist.api import OutputOptions, RecoveryOptions, TierOptions, fit
 from cfdist.checkpoint import (
     AgreementError, CheckpointError, Checkpointer, GroupOptions, LoadOptions, PersistOptions, list_checkpoints, load,
 )
@@ -20,7 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AgreementError", "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
-    "FitError", "FitResult", "GroupOptions", "LoadOptions", "PersistOptions", "ResumableLoader", "ResumableSampler", "RetryPolicy", "StorageUnavailable", "TrainContext",
+    "FitError", "FitResult", "GroupOptions", "LoadOptions", "OutputOptions", "PersistOptions",
+    "RecoveryOptions", "ResumableLoader", "ResumableSampler", "RetryPolicy", "StorageUnavailable", "TierOptions", "TrainContext",
     "fit",
     "codecs", "exit_process", "list_checkpoints", "load", "__version__",
 ]

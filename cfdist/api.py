@@ -26,23 +26,26 @@ import math
 import os
 import time
 import uuid
+import warnings
 from typing import Callable
 
-from cfdist.cluster.config import FitConfig
+from cfdist.cluster.config import GROUP_OF, GROUPS, FitConfig, OutputOptions, RecoveryOptions, TierOptions
 from cfdist.cluster.context import TrainContext
 from cfdist.cluster.result import FitError, FitResult
 
-__all__ = ["fit", "FitConfig", "FitError", "FitResult", "TrainContext"]
+__all__ = ["fit", "FitConfig", "FitError", "FitResult", "OutputOptions", "RecoveryOptions", "TierOptions",
+           "TrainContext"]
 
 log = logging.getLogger("cfdist.fit")
 
 
 def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int = 1,
-        workers_per_node: int = 1, use_gpu: bool = False, shared_storage: str | None = None,
-        policy=None, preemption=None, max_failures: int = 10, run_name: str = "cfdist",
-        total_steps: int | None = None, ray_address: str | None = None,
+        workers_per_node: int = 1, shared_storage: str | None = None, policy=None, preemption=None,
+        max_failures: int = 10, run_name: str = "cfdist", use_gpu: bool = False, cpus_per_worker: float = 1.0,
+        total_steps: int | None = None, tiers: TierOptions | None = None, recovery: RecoveryOptions | None = None,
+        output: OutputOptions | None = None, ray_address: str | None = None,
         remove_node: Callable[[str], None] | None = None, add_node: Callable[[int], None] | None = None,
-        **options) -> FitResult:
+        **deprecated) -> FitResult:
     """Train ``train_loop`` on ``num_nodes`` x ``workers_per_node`` Ray actors until it returns.
 
     Blocks the calling (driver) process until the run finishes; raises :class:`FitError` after
@@ -58,7 +61,15 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
         policy: when to checkpoint (``cfdist.Every(k)``, ``cfdist.Auto()`` - the default).
         preemption: a failure schedule to inject (``cfdist.chaos.FixedInterval(...)``,
             ``cfdist.cluster.injector.StepSchedule([...])``); None: no injected failures.
+        use_gpu: one GPU per rank, NCCL; otherwise CPU and gloo.
+        cpus_per_worker: Ray CPUs reserved per rank (0 allowed: ranks are then placed by node
+            affinity only).
         total_steps: shown in the progress bar (optional).
+        tiers: :class:`TierOptions`: the memory, node-local and shared tiers (``memory_every``,
+            ``shared_every``, ``shared_writers``, ``keep``, ``storage_options``, ...).
+        recovery: :class:`RecoveryOptions`: ``min_nodes``, ``wait_for_nodes_s``,
+            ``warm_spares``, ``sigterm_grace_s``, ``rendezvous_timeout_s``, ``metadata_url``.
+        output: :class:`OutputOptions`: ``progress``, ``event_log``, ``log_dir``, ``poll_s``.
         ray_address: a cluster to attach to; default an existing ``ray.init()``, else
             ``$RAY_ADDRESS`` (set by ``ray job submit``), else ``num_nodes`` simulated Ray nodes
             started on this machine (each with its own local-disk directory: ``/{node}`` is
@@ -67,14 +78,19 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
             ``ray.cluster_utils.Cluster``); default with simulated nodes: the simulated node's
             processes are killed and a fresh node joins at the schedule's return; on a real
             cluster: exclude the node and kill its actors.
-        **options: any other :class:`FitConfig` field (``min_nodes``, ``shared_every``,
-            ``memory_every`` (memory snapshots every n steps, disk at the policy's interval),
-            ``warm_spares``, ``sigterm_grace_s``, ``cpus_per_worker``, ``event_log``,
-            ``progress``, ``storage_options``, ...).
+
+    The grouped settings given one by one (``fit(shared_every=5)``, the spelling before the
+    groups) still work, with a ``DeprecationWarning`` naming the group.
     """
-    config = FitConfig(storage=storage, shared_storage=shared_storage, num_nodes=num_nodes,
-                       workers_per_node=workers_per_node, use_gpu=use_gpu, max_failures=max_failures,
-                       run_name=run_name, **options)
+    known = [k for k in deprecated if k in GROUP_OF]   # the others: a TypeError from FitConfig.build
+    if known:
+        warnings.warn(f"cfdist.fit({', '.join(f'{k}=' for k in known)}) is deprecated: pass "
+                      + ", ".join(sorted({f"{GROUP_OF[k]}=cfdist.{GROUPS[GROUP_OF[k]].__name__}({k}=...)"
+                                          for k in known})), DeprecationWarning, stacklevel=2)
+    config = FitConfig.build(storage=storage, shared_storage=shared_storage, num_nodes=num_nodes,
+                             workers_per_node=workers_per_node, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
+                             max_failures=max_failures, run_name=run_name, tiers=tiers, recovery=recovery,
+                             output=output, flat=deprecated)
     if policy is None:
         from cfdist.policy import Auto
 

@@ -198,7 +198,10 @@ example run.yaml:
   policy: every:20                          # auto | every:K | epoch | {auto: {max_overhead: 0.03}}
   max_failures: 10
   preemption: {fixed_interval: {every_s: 600, kind: crash}}   # optional (cfdist.chaos)
-  # any other cfdist.fit / FitConfig option: min_nodes, shared_every, cpus_per_worker, ...
+  tiers: {shared_every: 5, memory_every: 1}          # optional: cfdist.TierOptions
+  recovery: {min_nodes: 1}                           # optional: cfdist.RecoveryOptions
+  output: {progress: true}                           # optional: cfdist.OutputOptions
+  # any other cfdist.fit argument: cpus_per_worker, total_steps, ...
 """
 
 
@@ -207,7 +210,8 @@ def _register_fit(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="YAML file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a top-level key (value parsed as YAML), e.g. --set num_nodes=1")
+                   help="override a key (value parsed as YAML), e.g. --set num_nodes=1 or "
+                        "--set tiers.shared_every=5")
     p.set_defaults(run=_run_fit)
 
 
@@ -240,16 +244,45 @@ def load_train_fn(spec: str):
 
 
 def fit_options() -> set[str]:
-    """The keys a ``cfdist fit`` YAML file may hold besides ``train`` and ``train_args``."""
-    import dataclasses
+    """The top-level keys a ``cfdist fit`` YAML file may hold besides ``train`` and
+    ``train_args``: ``cfdist.fit``'s arguments (``tiers``, ``recovery``, ``output`` are
+    mappings of their group's fields)."""
     import inspect
 
     from cfdist.api import fit
-    from cfdist.cluster.config import FitConfig
 
-    named = {n for n, p in inspect.signature(fit).parameters.items()
-             if p.kind is p.KEYWORD_ONLY and n not in ("remove_node", "add_node")}
-    return named | {f.name for f in dataclasses.fields(FitConfig)}
+    return {n for n, p in inspect.signature(fit).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and n not in ("remove_node", "add_node")}
+
+
+def fit_groups(cfg: dict, where: str) -> dict:
+    """``cfg`` with its ``tiers``/``recovery``/``output`` mappings made into the groups' objects;
+    a grouped setting written at the top level (``shared_every: 5``, the form before the groups)
+    joins its group. UsageError naming the group's fields for an unknown one."""
+    import dataclasses
+
+    from cfdist.cluster.config import GROUP_OF, GROUPS
+
+    cfg = dict(cfg)
+    values: dict[str, dict] = {}
+    for key in [k for k in cfg if k in GROUP_OF]:
+        values.setdefault(GROUP_OF[key], {})[key] = cfg.pop(key)
+    for group, cls in GROUPS.items():
+        given = cfg.pop(group, None) or {}
+        if not isinstance(given, dict):
+            raise UsageError(f"{where}: {group} must be a mapping of its settings, e.g. {group}: {{...}}; got {given!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise UsageError(f"{where}: {group}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"its keys are {', '.join(sorted(names))}")
+        both = sorted(set(given) & set(values.get(group, {})))
+        if both:
+            raise UsageError(f"{where}: {', '.join(both)} given both at the top level and under {group}: keep one")
+        merged = {**values.get(group, {}), **given}
+        if merged:
+            cfg[group] = cls(**merged)
+    return cfg
 
 
 _POLICY_FORMS = "auto, every:K, epoch, {every: K} or {auto: {max_overhead: 0.03}}"
@@ -313,7 +346,13 @@ def _run_fit(a) -> int:
         k, eq, v = kv.partition("=")
         if not (k and eq):
             raise UsageError(f"--set {kv!r} must be KEY=VALUE, e.g. --set num_nodes=1")
-        cfg[k] = yaml.safe_load(v)
+        group, dot, field = k.partition(".")
+        if dot:   # --set tiers.shared_every=5
+            if not isinstance(cfg.setdefault(group, {}), dict):
+                raise UsageError(f"--set {kv!r}: {group} is not a mapping in {a.config}")
+            cfg[group][field] = yaml.safe_load(v)
+        else:
+            cfg[k] = yaml.safe_load(v)
     if "train" not in cfg or "storage" not in cfg:
         return _fail(f"{a.config} needs at least 'train' and 'storage'\n\n{FIT_EXAMPLE}")
     for key in ("storage", "shared_storage"):   # paths in the file are relative to the working directory
@@ -321,10 +360,11 @@ def _run_fit(a) -> int:
             cfg[key] = local_url(cfg[key])
         elif isinstance(cfg.get(key), list):
             cfg[key] = [local_url(u) if isinstance(u, str) else u for u in cfg[key]]
+    cfg = fit_groups(cfg, a.config)
     unknown = sorted(set(cfg) - {"train", "train_args"} - fit_options())
     if unknown:
         raise UsageError(f"{a.config}: unknown key(s) {', '.join(map(repr, unknown))}; the keys are the "
-                         f"arguments of cfdist.fit and FitConfig fields: {', '.join(sorted(fit_options()))}")
+                         f"arguments of cfdist.fit: {', '.join(sorted(fit_options()))}")
     policy = parse_policy(cfg.pop("policy", None))
     preemption = parse_preemption(cfg.pop("preemption", None))
     train_args = cfg.pop("train_args", None) or {}

@@ -115,8 +115,8 @@ def main(argv=None) -> int:
         functools.partial(train_loop, steps=args.steps),
         num_nodes=1, workers_per_node=args.workers, storage=f"file://{out}",
         policy=cfdist.Every(args.every), preemption=kills, max_failures=len(args.crash_at) + 2,
-        run_name="demo", total_steps=args.steps, progress=not args.no_progress,
-        event_log=os.path.join(out, "events", "demo.jsonl"), cpus_per_worker=1,
+        run_name="demo", total_steps=args.steps, cpus_per_worker=1,
+        output=cfdist.OutputOptions(progress=not args.no_progress, event_log=os.path.join(out, "events", "demo.jsonl")),
     )
     console.print(summary_table(result))
     return 0

@@ -122,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None, *, preemption=None) -> dict:
+    import cfdist
     from cfdist.api import fit
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -133,7 +134,7 @@ def main(argv=None, *, preemption=None) -> dict:
         num_nodes=a.num_nodes, workers_per_node=a.workers_per_node, use_gpu=a.gpu, storage=a.storage,
         shared_storage=a.shared_storage, policy=policy, preemption=preemption, max_failures=a.max_failures,
         run_name=a.run_name, total_steps=a.steps, cpus_per_worker=a.cpus_per_worker,
-        progress=not a.no_progress,
+        output=cfdist.OutputOptions(progress=not a.no_progress),
     )
     out = {"final_step": result.final_step, "failures": result.failures,
            "lost_iterations": result.lost_iterations, "recovery_seconds": result.recovery_seconds,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+import warnings
+from dataclasses import asdict, dataclass, fields
 
 from cfdist.storage.redact import redact_url
 
@@ -27,37 +28,21 @@ def _urls(value) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FitConfig:
-    """Settings of one ``cfdist.fit`` run. Build it on the driver; it is pickled to actors."""
+class TierOptions:
+    """Where checkpoints go under ``cfdist.fit`` (``fit(tiers=...)``): the memory, node-local
+    and shared tiers, how often each is written, what each keeps."""
 
-    storage: tuple[str, ...]
-    """Node-local tier: one URL per local disk, striped (``file:///mnt/ssd/cfdist``). The same
-    path is used on every node; ``{node}`` in it is replaced by the node's name, which gives
-    each fake node of a one-machine test cluster its own directory."""
-    shared_storage: str | None = None
-    """Durable tier reachable from every node (``s3://bucket/runs``, NFS), written less often;
-    None: no shared tier (a lost node is then recovered from a surviving node only)."""
-    run_name: str = "cfdist"
-    """Name of the run: a directory under each storage root. A later ``fit`` with the same
-    name and storage resumes from its newest checkpoint."""
-    num_nodes: int = 1
-    """Nodes to train on (one NodeCheckpointer actor and ``workers_per_node`` ranks each)."""
-    workers_per_node: int = 1
-    """Ranks per node (processes; one GPU each with ``use_gpu``)."""
-    use_gpu: bool = False
-    """One GPU per rank, NCCL; otherwise CPU and gloo."""
-    cpus_per_worker: float = 1.0
-    """Ray CPUs reserved per rank (0 allowed: then ranks are placed by node affinity only)."""
-    min_nodes: int = 1
-    """Smallest group to continue on after losing nodes (elastic); fewer fails the run."""
-    max_failures: int = 10
-    """Failures (crashes, lost nodes) tolerated; one more ends the run with an error."""
-    wait_for_nodes_s: float = 120.0
-    """How long recovery waits for ``min_nodes`` usable nodes before giving up."""
     memory_tier: bool = True
     """Keep the newest snapshot in /dev/shm on each node (survives a crashed worker)."""
     local_tier: bool = True
     """Persist every checkpoint to the node-local ``storage`` (False: memory + shared only)."""
+    memory_every: int | None = None
+    """Snapshot to the memory tier every n steps (1: every step; a crashed worker then loses at
+    most n iterations) while disk and shared storage keep the policy's interval. None: every
+    checkpoint goes to all tiers. Needs ``memory_tier``."""
+    keep: int = 2
+    """Committed checkpoints kept per tier (the one in flight comes on top); two, so a restore
+    that finds the newest one corrupt falls back to the previous one."""
     shared_every: int = 10
     """Copy every n-th checkpoint of node 0 to ``shared_storage`` (and always the final one)."""
     shared_writers: str | int = "all"
@@ -78,26 +63,40 @@ class FitConfig:
     peer_copy: bool = True
     """Give a replacement node the chosen checkpoint from a surviving node's actor (else: only
     shared storage can seed it)."""
-    keep: int = 2
-    """Committed checkpoints kept per tier (the one in flight comes on top); two, so a restore
-    that finds the newest one corrupt falls back to the previous one."""
-    memory_every: int | None = None
-    """Snapshot to the memory tier every n steps (1: every step; a crashed worker then loses at
-    most n iterations) while disk and shared storage keep the policy's interval. None: every
-    checkpoint goes to all tiers. Needs ``memory_tier``."""
-    sigterm_grace_s: float = 25.0
-    """Seconds a preempted machine leaves between SIGTERM and the kill. A rank that receives
-    SIGTERM takes an emergency checkpoint when its recent commit latency fits this window, waits
-    for it to commit (at most the window), then exits; otherwise it exits at once."""
+    storage_options: dict | None = None
+    """fsspec options for ``shared_storage`` (credentials, endpoint_url); never logged."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryOptions:
+    """How ``cfdist.fit`` recovers (``fit(recovery=...)``): how small a group it continues on,
+    how long it waits for nodes, warm spares, preemption notices."""
+
+    min_nodes: int = 1
+    """Smallest group to continue on after losing nodes (elastic); fewer fails the run."""
+    wait_for_nodes_s: float = 120.0
+    """How long recovery waits for ``min_nodes`` usable nodes before giving up."""
     warm_spares: bool = True
     """Keep a warm spare rank process per rank slot on every node of the group (started in the
     background, torch and the training function already imported, 0 CPUs reserved while it
     waits), so a restart reuses processes instead of starting them. CPU runs only: GPU ranks
     always start fresh (Ray assigns GPUs when a process starts)."""
-    poll_s: float = 0.2
-    """Driver polling period: failure detection latency and progress refresh."""
+    sigterm_grace_s: float = 25.0
+    """Seconds a preempted machine leaves between SIGTERM and the kill. A rank that receives
+    SIGTERM takes an emergency checkpoint when its recent commit latency fits this window, waits
+    for it to commit (at most the window), then exits; otherwise it exits at once."""
     rendezvous_timeout_s: float = 120.0
     """torch.distributed init and collective timeout (a hung collective fails after this)."""
+    metadata_url: str | None = None
+    """Base URL of the instance metadata service that nodes labelled ``cfdist-notices`` poll
+    for preemption notices (None: the cloud's own; a test's fake server otherwise)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputOptions:
+    """What ``cfdist.fit`` shows and writes about a run (``fit(output=...)``): the progress
+    bar, the event log, the rank processes' logs."""
+
     event_log: str | None = None
     """Path of the JSONL event log; None: ``./cfdist-runs/<run_name>/events-<time>.jsonl``."""
     log_dir: str | None = None
@@ -107,14 +106,95 @@ class FitConfig:
     stderr to the driver's console; the console gets one line per recovered failure."""
     progress: bool = True
     """Show a progress bar on the driver (rich)."""
-    metadata_url: str | None = None
-    """Base URL of the instance metadata service that nodes labelled ``cfdist-notices`` poll
-    for preemption notices (None: the cloud's own; a test's fake server otherwise)."""
-    storage_options: dict | None = None
-    """fsspec options for ``shared_storage`` (credentials, endpoint_url); never logged."""
+    poll_s: float = 0.2
+    """Driver polling period: failure detection latency and progress refresh."""
+
+
+GROUPS: dict[str, type] = {"tiers": TierOptions, "recovery": RecoveryOptions, "output": OutputOptions}
+"""``cfdist.fit``'s groups of settings: keyword -> class."""
+
+GROUP_OF: dict[str, str] = {f.name: g for g, cls in GROUPS.items() for f in fields(cls)}
+"""Each grouped setting's group (``"shared_every"`` -> ``"tiers"``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    """Settings of one ``cfdist.fit`` run. Build it on the driver; it is pickled to actors.
+
+    Users give the grouped settings as :class:`TierOptions`, :class:`RecoveryOptions` and
+    :class:`OutputOptions` (documented there); this record holds them flat, validated once
+    (:meth:`build`)."""
+
+    storage: tuple[str, ...]
+    """Node-local tier: one URL per local disk, striped (``file:///mnt/ssd/cfdist``). The same
+    path is used on every node; ``{node}`` in it is replaced by the node's name, which gives
+    each fake node of a one-machine test cluster its own directory."""
+    shared_storage: str | None = None
+    """Durable tier reachable from every node (``s3://bucket/runs``, NFS), written less often;
+    None: no shared tier (a lost node is then recovered from a surviving node only)."""
+    run_name: str = "cfdist"
+    """Name of the run: a directory under each storage root. A later ``fit`` with the same
+    name and storage resumes from its newest checkpoint."""
+    num_nodes: int = 1
+    """Nodes to train on (one NodeCheckpointer actor and ``workers_per_node`` ranks each)."""
+    workers_per_node: int = 1
+    """Ranks per node (processes; one GPU each with ``use_gpu``)."""
+    use_gpu: bool = False
+    """One GPU per rank, NCCL; otherwise CPU and gloo."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved per rank (0 allowed: then ranks are placed by node affinity only)."""
+    min_nodes: int = RecoveryOptions.min_nodes
+    max_failures: int = 10
+    """Failures (crashes, lost nodes) tolerated; one more ends the run with an error."""
+    wait_for_nodes_s: float = RecoveryOptions.wait_for_nodes_s
+    memory_tier: bool = TierOptions.memory_tier
+    local_tier: bool = TierOptions.local_tier
+    shared_every: int = TierOptions.shared_every
+    shared_writers: str | int = TierOptions.shared_writers
+    shared_slice_timeout_s: float = TierOptions.shared_slice_timeout_s
+    peer_copy: bool = TierOptions.peer_copy
+    keep: int = TierOptions.keep
+    memory_every: int | None = TierOptions.memory_every
+    sigterm_grace_s: float = RecoveryOptions.sigterm_grace_s
+    warm_spares: bool = RecoveryOptions.warm_spares
+    poll_s: float = OutputOptions.poll_s
+    rendezvous_timeout_s: float = RecoveryOptions.rendezvous_timeout_s
+    event_log: str | None = OutputOptions.event_log
+    log_dir: str | None = OutputOptions.log_dir
+    progress: bool = OutputOptions.progress
+    metadata_url: str | None = RecoveryOptions.metadata_url
+    storage_options: dict | None = TierOptions.storage_options
+    @classmethod
+    def build(cls, *, tiers: TierOptions | None = None, recovery: RecoveryOptions | None = None,
+              output: OutputOptions | None = None, flat: dict | None = None, owner: str = "cfdist.fit",
+              **settings) -> "FitConfig":
+        """The validated record of ``settings`` (the ungrouped ones: storage, num_nodes, ...)
+        and the groups. ``flat``: grouped settings given one by one, the spelling before the
+        groups (the CLI's YAML keys, and ``fit(shared_every=...)``, which warns): each joins its
+        group. A setting given both ways is refused (the two could disagree); an unknown one is
+        a TypeError naming the groups."""
+        given = {"tiers": tiers, "recovery": recovery, "output": output}
+        for name, value in given.items():
+            if value is not None and not isinstance(value, GROUPS[name]):
+                raise TypeError(f"{owner}({name}=...) must be a cfdist.{GROUPS[name].__name__}, got {value!r}")
+        moved: dict[str, dict] = {}
+        for key, value in (flat or {}).items():
+            group = GROUP_OF.get(key)
+            if group is None:
+                raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}; the grouped settings are "
+                                f"{', '.join(f'{g}=cfdist.{c.__name__}(...)' for g, c in GROUPS.items())}")
+            if given[group] is not None:
+                raise ValueError(f"{owner}: {key}= and {group}= both given; pass {key} in "
+                                 f"{group}=cfdist.{GROUPS[group].__name__}({key}=...) only")
+            moved.setdefault(group, {})[key] = value
+        out = dict(settings)
+        for group, cls_ in GROUPS.items():
+            values = asdict(given[group]) if given[group] is not None else {}
+            values.update(moved.get(group, {}))
+            out.update(values)
+        return cls(**out)
 
     def __repr__(self) -> str:
-        from dataclasses import fields
 
         from cfdist.storage.redact import redact, redact_options
 

@@ -135,7 +135,7 @@ class ExperimentConfig:
     keep_checkpoints: bool = False
     """Keep each run's checkpoint directories (default: deleted after the run; logs are kept)."""
     memory_every: int | None = None
-    """``cfdist.fit(memory_every=...)`` for every policy's run: a memory snapshot every n steps
+    """``cfdist.fit(tiers=TierOptions(memory_every=...))`` for every policy's run: a memory snapshot every n steps
     (a crash loses at most n iterations), disk at the policy's interval. None: off."""
 
     def __post_init__(self) -> None:
@@ -329,7 +329,7 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
 
 
 def _run_one(config: ExperimentConfig, name: str, spec: str | None, schedule, cluster, out: str):
-    from cfdist.api import fit
+    from cfdist.api import OutputOptions, RecoveryOptions, TierOptions, fit
     from cfdist.experiments.workload import train_loop
     from cfdist.cluster.result import FitError
     from cfdist.policy import Every
@@ -352,9 +352,10 @@ def _run_one(config: ExperimentConfig, name: str, spec: str | None, schedule, cl
         return fit(loop, num_nodes=config.num_nodes, workers_per_node=config.workers_per_node,
                    storage=f"file://{ckpt_dir}/{{node}}", policy=policy, preemption=schedule,
                    max_failures=config.max_failures, run_name=run, total_steps=steps,
-                   progress=config.progress, event_log=event_log, min_nodes=config.num_nodes,
-                   cpus_per_worker=1, wait_for_nodes_s=max(120.0, 10 * config.return_after_s),
-                   memory_every=config.memory_every if spec is not None else None, **hooks)
+                   cpus_per_worker=1, output=OutputOptions(progress=config.progress, event_log=event_log),
+                   recovery=RecoveryOptions(min_nodes=config.num_nodes,
+                                            wait_for_nodes_s=max(120.0, 10 * config.return_after_s)),
+                   tiers=TierOptions(memory_every=config.memory_every if spec is not None else None), **hooks)
     except FitError as e:
         raise ExperimentError(
             f"the {name!r} run did not finish: {e}. Its event log is {event_log}. Give it more room "

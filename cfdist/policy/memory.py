@@ -19,7 +19,7 @@ from cfdist.policy.base import PolicyBase, PolicyContext, StepMeasurement, as_po
 
 
 class MemoryEvery(PolicyBase):
-    """``MemoryEvery(Auto(), every=1)``; used by ``cfdist.fit(memory_every=...)``."""
+    """``MemoryEvery(Auto(), every=1)``; used by ``cfdist.fit(tiers=cfdist.TierOptions(memory_every=...))``."""
 
     def __init__(self, policy, every: int = 1):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
