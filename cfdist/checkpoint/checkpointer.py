@@ -176,7 +176,7 @@ class Checkpointer:
             self._rngx = agreement.RngExchange(self._channel, writer=commits)
         # One owner per persist, from the snapshot hand-off to the commit: ordering, every
         # rank's RNG, the sliced commit and the write are its stages; its handles can always
-        # be given up (persist_timeout_s), on any world size, writers and buffers.
+        # be given up (PersistOptions.timeout_s), on any world size, writers and buffers.
         self._pipeline = PersistPipeline(
             self.backend, rng=self._rngx if commits else None,
             slices=SliceCommit(self._channel, index=self.rank, writers=self._slicer.writers)
@@ -675,7 +675,7 @@ class Checkpointer:
 
     def _wait_inflight(self, keep: int = 0) -> None:
         """Block until at most ``keep`` persists still run: the oldest finished or, past
-        ``persist_timeout_s``, were given up. Their errors are not raised here: :meth:`_harvest`
+        ``PersistOptions.timeout_s``, were given up. Their errors are not raised here: :meth:`_harvest`
         records them. An interrupt (``KeyboardInterrupt``, ``SystemExit`` from a SIGTERM
         handler) propagates and leaves ``_inflight`` as it was, so the next snapshot waits for
         that persist again before it copies into the arenas the persist may still read.
@@ -705,7 +705,7 @@ class Checkpointer:
                 pass
 
     def _expire_inflight(self) -> bool:
-        """Give up the persists that ran past ``persist_timeout_s``; True if one was."""
+        """Give up the persists that ran past ``PersistOptions.timeout_s``; True if one was."""
         t = self.config.persist.timeout_s
         if t is None:
             return False
@@ -723,7 +723,7 @@ class Checkpointer:
 
     def _harvest(self) -> None:
         """Collect the finished persists, in step order (non-blocking); give up the ones past
-        ``persist_timeout_s``."""
+        ``PersistOptions.timeout_s``."""
         self._expire_inflight()
         with self._lock:   # the snapshot thread may be recording the next persist
             done = []

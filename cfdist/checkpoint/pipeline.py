@@ -92,15 +92,15 @@ class PersistHandle:
         if not self.abandon():
             if not self._timeout_noted:
                 self._timeout_noted = True
-                log.warning("persisting step %d to %s runs past persist_timeout_s=%s but is past its commit "
+                log.warning("persisting step %d to %s runs past PersistOptions.timeout_s=%s but is past its commit "
                             "point; waiting for it", self.step, where, timeout_s)
             return None
-        log.error("persisting step %d to %s did not finish within persist_timeout_s=%s: declared failed; its "
+        log.error("persisting step %d to %s did not finish within PersistOptions.timeout_s=%s: declared failed; its "
                   "writer can no longer commit it", self.step, where, timeout_s)
         return PersistTimeout(
-            f"persisting step {self.step} to {where} did not finish within persist_timeout_s={timeout_s}s "
+            f"persisting step {self.step} to {where} did not finish within PersistOptions.timeout_s={timeout_s}s "
             f"(the storage hangs or is too slow); it is declared failed and can no longer commit; training "
-            f"continues with a fresh writer; raise persist_timeout_s if the storage is just slow")
+            f"continues with a fresh writer; raise PersistOptions.timeout_s if the storage is just slow")
 
     _timeout_noted = False
 
@@ -111,7 +111,7 @@ class PersistHandle:
         """Raise :class:`PersistAbandoned` once the persist was given up (here or, sliced, by
         another writer). Called by the stages between waits."""
         if self.abandoned():
-            raise PersistAbandoned(f"persist of step {self.step} was given up (persist_timeout_s); "
+            raise PersistAbandoned(f"persist of step {self.step} was given up (PersistOptions.timeout_s); "
                                    f"not going on with it")
 
     def _settle(self, *, result: CommitInfo | None = None, error: BaseException | None = None) -> None:

@@ -193,14 +193,14 @@ class SliceCommit:
             parts = [json.loads(r) for r in self.t.get_all(
                 others, what=f"the other writers' slices of step {step}",
                 fix="a writer rank died or stalled while writing; the step is not committed, the "
-                    "previous checkpoint stays (raise agree_timeout_s if the storage is just slow)",
+                    "previous checkpoint stays (raise GroupOptions.agree_timeout_s if the storage is just slow)",
                 interrupt=check)]
             bad = [p["error"] for p in parts if "error" in p]
             if bad:
                 raise SliceError(f"step {step} is not committed: " + "; ".join(bad))
             t.append(time.perf_counter())
             if not fate.claim():
-                raise SliceError(f"step {step} is not committed: a writer gave it up (persist_timeout_s) "
+                raise SliceError(f"step {step} is not committed: a writer gave it up (PersistOptions.timeout_s) "
                                  f"before rank 0 could commit it")
             info = write(dataclasses.replace(job, shards=[], arenas=[], commit=True, clear=False,
                                              slices=[mine.slice] + parts))

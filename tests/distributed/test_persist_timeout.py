@@ -1,4 +1,4 @@
-"""``persist_timeout_s`` on 2 and 3 gloo ranks, for every ``writers`` x ``buffers``.
+"""``PersistOptions.timeout_s`` on 2 and 3 gloo ranks, for every ``writers`` x ``buffers``.
 
 Real: 2 or 3 spawned processes in a gloo process group (FileStore in tmp_path), DDP over a small
 MLP under Adam, the Checkpointer's persist pipeline with its thread backend, ``file://`` storage
@@ -62,8 +62,8 @@ def _combo(rank: int, path: str, writers: str, buffers: int, backend: str) -> di
     if rank == 0 and backend == "thread":   # only rank 0's disk hangs, and only under step 4
         st = hang(st, hang_after_bytes=0, only=f"step-{HUNG:09d}")
     ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt}, st, cfdist.Every(EVERY), writers=writers,
-                               buffers=buffers, backend=backend, persist_timeout_s=TIMEOUT_S, keep=100,
-                               agree_timeout_s=120)
+                               buffers=buffers, persist=cfdist.PersistOptions(backend=backend, timeout_s=TIMEOUT_S),
+                               keep=100, group=cfdist.GroupOptions(agree_timeout_s=120))
     stopped = None
     for i in range(STEPS):
         if rank == 0 and backend == "process" and i == HUNG - 1:
@@ -145,4 +145,4 @@ def test_a_hung_persist_is_given_up_on_every_rank_for_every_writers_and_buffers(
                 assert f"step {HUNG}" in got["close_raised"], (combo, r, got["close_raised"])
             else:
                 assert got["close_raised"] is None, (combo, r, got["close_raised"])
-        assert "persist_timeout_s" in r0["stats"]["last_error"], r0
+        assert "PersistOptions.timeout_s" in r0["stats"]["last_error"], r0

@@ -91,7 +91,7 @@ def crash(a: dict) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt = cfdist.Checkpointer(state, a["url"], cfdist.Every(a["k"]), keep=a.get("keep", 1),
-                                   storage_options=opts, backend=a.get("backend", "thread"),
+                                   storage_options=opts, persist=cfdist.PersistOptions(backend=a.get("backend", "thread")),
                                    buffers=a.get("buffers", 1))
         left = leftovers(a["url"], opts)
         restored = ckpt.restore()

@@ -170,7 +170,7 @@ def test_sigkill_during_overlapping_persists_keeps_the_newest_commit(children, t
 
 
 def test_a_hung_persist_given_up_lets_the_queued_ones_commit_in_order(tmp_path):
-    """Real: the Checkpointer with ``buffers=2`` and ``persist_timeout_s``, its ordering thread and
+    """Real: the Checkpointer with ``buffers=2`` and ``PersistOptions.timeout_s``, its ordering thread and
     thread backend, file:// storage. Faked: a disk that hangs (``hang``: step 2's shard write
     blocks until released). The point: step 3's persist, queued behind the hung one, does not
     run out its timeout while it waits its turn; once step 2 is given up (one error, raised once
@@ -184,7 +184,7 @@ def test_a_hung_persist_given_up_lets_the_queued_ones_commit_in_order(tmp_path):
     url = f"file://{tmp_path / 'ckpt'}"
     st = hang(open_storage(url))
     ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, st, cfdist.Every(1), keep=100, buffers=2,
-                               persist_timeout_s=3.0)
+                               persist=cfdist.PersistOptions(timeout_s=3.0))
 
     def step():
         model(torch.randn(8, 16)).pow(2).mean().backward()

@@ -3,7 +3,7 @@
 One table over the faults of :mod:`cfdist.testing`, each on ``file://`` and on the moto S3
 server: a full disk (ENOSPC mid-shard), EIO on every write, permission denied (refused by the
 wrapper, so it holds when the tests run as root), a write that hangs (given up after
-``persist_timeout_s``), a torn write (the disk keeps half a shard and reports all of it), a
+``PersistOptions.timeout_s``), a torn write (the disk keeps half a shard and reports all of it), a
 listing that lags behind writes, a slow disk.
 
 Real: the Checkpointer with its snapshot and persist threads, the storage backends (files with
@@ -54,8 +54,8 @@ FAULTS = {
     "eacces": dict(wrap=lambda st: denied(st, armed=False), arm=lambda w: w.arm(), heal=lambda w: w.heal(),
                    says="Permission denied", errno=errno.EACCES),
     "hang": dict(wrap=lambda st: hang(st), arm=lambda w: w.arm(hang_after_bytes=4096, only="shard"),
-                 heal=lambda w: w.arm(hang_after_bytes=None), says="persist_timeout_s", errno=None,
-                 options=dict(persist_timeout_s=3.0)),
+                 heal=lambda w: w.arm(hang_after_bytes=None), says="PersistOptions.timeout_s", errno=None,
+                 options=dict(persist=cfdist.PersistOptions(timeout_s=3.0))),
     "torn": dict(wrap=lambda st: torn(st, writes=0), arm=lambda w: w.arm(writes=1, only="shard"),
                  heal=lambda w: w.arm(writes=0), says=None, errno=None),
     "lag": dict(wrap=lambda st: lagging(st, lag_s=3600.0), arm=lambda w: None, heal=lambda w: None,
@@ -155,7 +155,7 @@ def test_storage_fault_during_persist(fault, backend_url, mlp_state, train, capl
 
 def test_hung_writer_process_is_given_up_killed_and_replaced(tmp_path, mlp_state, train, caplog):
     """``backend="process"``: the writer process stops (SIGSTOP: a write stuck in the kernel)
-    while it writes step 4. After ``persist_timeout_s`` the persist is declared failed, the
+    while it writes step 4. After ``PersistOptions.timeout_s`` the persist is declared failed, the
     stopped writer is killed (it can never commit: its gate is taken), a fresh writer process
     writes step 6, which commits; training never stopped; ``wait()`` raises the timeout once.
 
@@ -166,7 +166,7 @@ def test_hung_writer_process_is_given_up_killed_and_replaced(tmp_path, mlp_state
     st = open_storage(url)
     model, opt, sched = mlp_state(width=2048)               # ~0.8 MB: a write that lasts a moment
     ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(EVERY),
-                               backend="process", persist_timeout_s=5.0, keep=3)
+                               persist=cfdist.PersistOptions(backend="process", timeout_s=5.0), keep=3)
     train(model, opt, ckpt, 2, sched)
     ckpt.wait()
     assert ckpt.latest_step == 2
@@ -177,7 +177,7 @@ def test_hung_writer_process_is_given_up_killed_and_replaced(tmp_path, mlp_state
         train(model, opt, ckpt, 2, sched, seed=1)           # step 4: submitted to the stopped writer
         model(torch.zeros(1, 16))
         train(model, opt, ckpt, 2, sched, seed=2)           # step 6 waits out the timeout, then goes on
-        with pytest.raises(TimeoutError, match="persist_timeout_s=5.0"):
+        with pytest.raises(TimeoutError, match="PersistOptions.timeout_s=5.0"):
             ckpt.wait()
     finally:
         try:
@@ -187,6 +187,6 @@ def test_hung_writer_process_is_given_up_killed_and_replaced(tmp_path, mlp_state
     _until(lambda: not os.path.exists(f"/proc/{writer}") or open(f"/proc/{writer}/stat").read().split()[2] == "Z")
     assert ckpt.step_count == 6 and ckpt.latest_step == 6 and ckpt.stats["errors"] == 1
     assert writer not in ckpt.backend.writer_pids() and ckpt.backend.restarts == 1
-    assert any("persist_timeout_s" in r.getMessage() for r in caplog.records if r.name == "cfdist.checkpointer")
+    assert any("PersistOptions.timeout_s" in r.getMessage() for r in caplog.records if r.name == "cfdist.checkpointer")
     ckpt.close()
     assert committed_steps(st) == [2, 6]
