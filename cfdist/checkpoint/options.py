@@ -184,7 +184,8 @@ LEGACY: dict[str, tuple[str, str]] = {
 _GROUPS = {"persist": PersistOptions, "load": LoadOptions, "group": GroupOptions}
 
 
-def from_legacy(groups: dict[str, Any], legacy: dict[str, Any], *, owner: str = "Checkpointer") -> dict[str, Any]:
+def from_legacy(groups: dict[str, Any], legacy: dict[str, Any], *, owner: str = "Checkpointer",
+                stacklevel: int = 3) -> dict[str, Any]:
     """``groups`` with the old flat keywords of ``legacy`` moved into their groups (a
     ``DeprecationWarning`` naming the new spelling each; ``writer=`` is the constructor's to
     map, onto ``writers=``). A keyword the constructor never had is a TypeError, as Python's
@@ -199,7 +200,7 @@ def from_legacy(groups: dict[str, Any], legacy: dict[str, Any], *, owner: str = 
             raise ValueError(f"{owner}: {name}= and {group}= both given; pass {name} as "
                              f"{group}=cfdist.{_GROUPS[group].__name__}({fld}=...) only")
         warnings.warn(f"{owner}({name}=...) is deprecated: pass {group}=cfdist.{_GROUPS[group].__name__}({fld}=...)",
-                      DeprecationWarning, stacklevel=3)
+                      DeprecationWarning, stacklevel=stacklevel)   # at the caller's line
         moved.setdefault(group, {})[fld] = value
     for group, fields in moved.items():
         out[group] = _GROUPS[group](**fields)

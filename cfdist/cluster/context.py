@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from cfdist.checkpoint import Checkpointer, GroupOptions, PersistOptions
+from cfdist.checkpoint.options import LEGACY, from_legacy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,10 +114,15 @@ class TrainContext:
         node_tiers = [u for u in (self._tiers.get("memory"), self._tiers.get("local")) if u]
         # local rank 0 of each node writes, through its node actor; the user's own groups keep
         # everything else they say (a persist timeout, an agreement timeout, ...)
-        persist = dataclasses.replace(kwargs.pop("persist", None) or PersistOptions(),
+        if "writer" in kwargs or "writers" in kwargs:
+            raise TypeError("ctx.checkpointer() decides who writes (local rank 0 of each node, through its "
+                            "node actor): drop writer=/writers=")
+        groups = from_legacy({g: kwargs.pop(g, None) for g in ("persist", "load", "group")},
+                             {k: kwargs.pop(k) for k in list(kwargs) if k in LEGACY}, owner="ctx.checkpointer")
+        persist = dataclasses.replace(groups["persist"] or PersistOptions(),
                                       backend=ActorBackend(self._node_actor, self.attempt, policy))
-        group = dataclasses.replace(kwargs.pop("group", None) or GroupOptions(), rank=self.rank,
-                                    world_size=self.world_size)
+        group = dataclasses.replace(groups["group"] or GroupOptions(), rank=self.rank, world_size=self.world_size)
+        kwargs["load"] = groups["load"]
         ck = _FitCheckpointer(
             self, state, node_tiers[0], policy, keep=self._keep, writers=self.local_rank == 0,
             persist=persist, group=group, restore_from=node_tiers[1:], **kwargs)
