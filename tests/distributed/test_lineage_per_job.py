@@ -47,7 +47,8 @@ def _worker(rank, port, root, out):
         model = torch.nn.Linear(6, 3)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         state = {"model": model, "opt": opt}
-        ckpt = cfdist.Checkpointer(state, f"file://{mine}", cfdist.Every(4), keep=2, writer=True, agree_timeout_s=60)
+        ckpt = cfdist.Checkpointer(state, f"file://{mine}", cfdist.Every(4), keep=2, writers=True,
+                                   group=cfdist.GroupOptions(agree_timeout_s=60))
         _train(ckpt, model, opt, 8)
         ckpt.close()
         res["lineages"] = [json.load(open(os.path.join(mine, step_dir(s), "MANIFEST.json")))["lineage"]["run"]
@@ -56,7 +57,8 @@ def _worker(rank, port, root, out):
             shutil.rmtree(os.path.join(mine, step_dir(8)))
         dist.barrier()
         # the restart: a new Checkpointer on every rank restores the newest step one rank holds
-        ckpt = cfdist.Checkpointer(state, f"file://{mine}", cfdist.Every(4), keep=2, writer=True, agree_timeout_s=60)
+        ckpt = cfdist.Checkpointer(state, f"file://{mine}", cfdist.Every(4), keep=2, writers=True,
+                                   group=cfdist.GroupOptions(agree_timeout_s=60))
         res["restored"] = ckpt.restore()
         _train(ckpt, model, opt, 12)
         ckpt.close()

@@ -173,7 +173,7 @@ def _kill_worker(rank, world, store_path, url, out, phase):
         if phase == 1 and rank == 1:
             st = DieMidWrite(st, step=5)
         ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt}, st, cfdist.Every(1000), writers="all",
-                                   agree_timeout_s=8)
+                                   group=cfdist.GroupOptions(agree_timeout_s=8))
         if phase == 1:
             _train(ddp, opt, ckpt, rank, 0, 3)
             with open(os.path.join(out, f"io-rank{rank}.json"), "w") as f:
@@ -256,8 +256,9 @@ def _two_writers(urls, steps, restore=None, world=2, writers="all", stats=None, 
         try:
             model = copy.deepcopy(base)
             opt = torch.optim.Adam(model.parameters(), lr=0.1)
-            ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, urls, cfdist.Every(every), rank=r,
-                                       world_size=world, store=store, writers=writers, agree_timeout_s=60,
+            ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, urls, cfdist.Every(every),
+                                       writers=writers,
+                                       group=cfdist.GroupOptions(rank=r, world_size=world, store=store, agree_timeout_s=60),
                                        buffers=buffers, keep=steps)
             if restore is not None:
                 assert ckpt.restore(step=restore) == restore
@@ -433,13 +434,15 @@ def _amp_worker(rank, world, store_path, url, out, phase):
             dist.barrier()
             ddp, opt, sched, scaler = _amp_setup(rank)
             ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt, "sched": sched, "scaler": scaler}, url,
-                                       cfdist.Every(RESUME_EVERY), writers="all", agree_timeout_s=60)
+                                       cfdist.Every(RESUME_EVERY), writers="all",
+                                       group=cfdist.GroupOptions(agree_timeout_s=60))
             _amp_train(ddp, opt, sched, scaler, ckpt, rank, 0, RESUME_TOTAL, die=RESUME_DIE if rank == 1 else None)
             raise AssertionError("rank 1 was killed: its peers must have been terminated by the launcher")
         ddp, opt, sched, scaler = _amp_setup(rank)
         torch.manual_seed(999 + rank)   # a new process's own seeds: the restore must replace them
         ckpt = cfdist.Checkpointer({"model": ddp, "optim": opt, "sched": sched, "scaler": scaler}, url,
-                                   cfdist.Every(RESUME_EVERY), writers="all", agree_timeout_s=60)
+                                   cfdist.Every(RESUME_EVERY), writers="all",
+                                   group=cfdist.GroupOptions(agree_timeout_s=60))
         start = ckpt.restore()
         with open(os.path.join(out, f"restored-rank{rank}.json"), "w") as f:
             json.dump({"restored": start}, f)

@@ -81,7 +81,7 @@ def _worker(rank, port, root, out):
             model = _model(100 + rank)   # different weights on every rank before the restore
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             ckpt = cfdist.Checkpointer({"model": model, "opt": opt}, f"file://{root}/{name}/rank{rank}",
-                                       cfdist.Every(4), agree_timeout_s=60)
+                                       cfdist.Every(4), group=cfdist.GroupOptions(agree_timeout_s=60))
             try:
                 got, err = ckpt.restore(want), None
             except cfdist.CheckpointError as e:

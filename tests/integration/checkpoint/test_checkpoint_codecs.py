@@ -122,7 +122,8 @@ def test_the_writer_process_encodes_and_stats_count_logical_and_written_bytes(tm
     codecs = [Incremental(full_every=3), LCDelta(bits=3, match="model/mlp*"), Zstd(level=1)]
     root = tmp_path / "proc"
     m, opt = make()
-    ck = cfdist.Checkpointer(dlrm_state(m, opt), f"file://{root}", cfdist.Every(5), keep=1, backend="process",
+    ck = cfdist.Checkpointer(dlrm_state(m, opt), f"file://{root}", cfdist.Every(5), keep=1,
+                             persist=cfdist.PersistOptions(backend="process"),
                              codecs=codecs)
     train(m, opt, ck, 0, 20)
     ck.close()

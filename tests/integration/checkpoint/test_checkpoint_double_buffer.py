@@ -246,7 +246,7 @@ def test_two_buffer_sets_with_the_writer_process_commit_in_order_and_restore_bit
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     url = f"file://{tmp_path / 'ckpt'}"
     ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, url, cfdist.Every(1), keep=100, buffers=2,
-                               backend="process")
+                               persist=cfdist.PersistOptions(backend="process"))
     paths: set[str] = set()
     real_submit = ckpt._pipeline.submit
 

@@ -35,7 +35,7 @@ def run40(committed_run):
 def fresh(storage, mlp_state, **kw):
     model, opt, sched = mlp_state(seed=123)
     return cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, storage, cfdist.Every(5), keep=2,
-                               read_retry=FAST, **kw)
+                               load=cfdist.LoadOptions(read_retry=FAST), **kw)
 
 
 def restore(ckpt, **kw):
@@ -151,7 +151,7 @@ def test_restoring_an_older_step_moves_newer_ones_aside_and_they_stay_readable(r
     want40 = cfdist.load(url, step=40)["state"]["model"]
     model, opt, sched = mlp_state(seed=1)
     ckpt = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, url, cfdist.Every(3), keep=2,
-                               read_retry=FAST)
+                               load=cfdist.LoadOptions(read_retry=FAST))
     assert restore(ckpt, step=35) == (35, [])
     train(model, opt, ckpt, 3, sched)
     ckpt.close()

@@ -103,7 +103,7 @@ def test_secrets_appear_in_no_output(cases, mlp_state, train, caplog, tmp_path):
         down = flaky(open_storage(url, **opts), match="step-*/*", failures=None)
         model, opt, sched = mlp_state()
         r = cfdist.Checkpointer({"model": model, "optim": opt, "sched": sched}, down, cfdist.Every(2),
-                                read_retry=RetryPolicy(tries=2, first_delay_s=0.01))
+                                load=cfdist.LoadOptions(read_retry=RetryPolicy(tries=2, first_delay_s=0.01)))
         with pytest.raises(StorageUnavailable) as ei:
             r.restore()
         texts.append(_chain(ei.value))

@@ -188,8 +188,8 @@ def test_fit_on_one_machine_starts_simulated_nodes_and_every_failure_lands(no_ra
     out.mkdir()
     loop = functools.partial(train_loop, steps=STEPS, out_dir=str(out), every=EVERY, step_sleep_s=0.25)
     result = fit(loop, num_nodes=2, workers_per_node=1, storage=f"file://{tmp_path}/disk",
-                 policy=Every(EVERY), preemption=sched, run_name="sim", progress=False,
-                 event_log=str(tmp_path / "sim.jsonl"), max_failures=6)
+                 policy=Every(EVERY), preemption=sched, run_name="sim",
+                 output=cfdist.OutputOptions(progress=False, event_log=str(tmp_path / "sim.jsonl")), max_failures=6)
     recs = _records(tmp_path / "sim.jsonl")
     (cl,) = [r for r in recs if r["event"] == "cluster"]
     assert cl["simulated"] and cl["nodes"] == 2 and cl["storage"] == [f"file://{tmp_path}/disk/{{node}}"]

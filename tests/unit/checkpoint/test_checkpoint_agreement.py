@@ -203,8 +203,8 @@ def test_every_rank_binds_its_policy_to_rank_0s_history_and_profile(tmp_path):
     def build(rank):
         model = torch.nn.Linear(4, 4)
         pol = cfdist.Auto()
-        ck = cfdist.Checkpointer({"model": model}, f"file://{tmp_path}/r{rank}", pol, rank=rank, world_size=2,
-                                 store=store, writer=True)
+        ck = cfdist.Checkpointer({"model": model}, f"file://{tmp_path}/r{rank}", pol,
+                                 group=cfdist.GroupOptions(rank=rank, world_size=2, store=store), writers=True)
         out[rank] = (ck, pol)
 
     ts = [threading.Thread(target=build, args=(r,)) for r in (1, 0)]

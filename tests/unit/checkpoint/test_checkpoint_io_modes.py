@@ -19,7 +19,7 @@ def _train(url: str, io: str, steps: int = 3):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))   # odd sizes
     opt = torch.optim.Adam(m.parameters(), lr=0.1)
-    ck = cfdist.Checkpointer({"model": m, "optim": opt}, url, cfdist.Every(1), io=io)
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, url, cfdist.Every(1), persist=cfdist.PersistOptions(io=io))
     for _ in range(steps):
         m(torch.randn(4, 7)).sum().backward()
         ck.step(opt)
@@ -42,7 +42,7 @@ def test_shards_are_safetensors_and_restore_bit_exact(tmp_path, io):
     assert all(torch.equal(got[f"model/{k}"], v) for k, v in m.state_dict().items())
     m2 = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
     opt2 = torch.optim.Adam(m2.parameters(), lr=0.1)
-    ck = cfdist.Checkpointer({"model": m2, "optim": opt2}, url, cfdist.Every(1), io=io)
+    ck = cfdist.Checkpointer({"model": m2, "optim": opt2}, url, cfdist.Every(1), persist=cfdist.PersistOptions(io=io))
     assert ck.restore() == 3
     ck.close()
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
@@ -53,9 +53,9 @@ def test_shards_are_safetensors_and_restore_bit_exact(tmp_path, io):
 def test_bad_io_values_are_refused(tmp_path):
     m = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="io must be one of"):
-        cfdist.Checkpointer({"model": m}, f"file://{tmp_path}/a", io="fast")
+        cfdist.Checkpointer({"model": m}, f"file://{tmp_path}/a", persist=cfdist.PersistOptions(io="fast"))
     with pytest.raises(ValueError, match="io='direct' needs local file:// roots"):
-        cfdist.Checkpointer({"model": m}, "memory://io-direct-refused", io="direct")
+        cfdist.Checkpointer({"model": m}, "memory://io-direct-refused", persist=cfdist.PersistOptions(io="direct"))
     with pytest.raises(ValueError, match="buffers must be an int in"):
         cfdist.Checkpointer({"model": m}, f"file://{tmp_path}/b", buffers=0)
 

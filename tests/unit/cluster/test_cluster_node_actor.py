@@ -91,8 +91,8 @@ def test_persist_writes_memory_and_local_then_shared_in_background(actors, share
     tiers = a.ready()
     m, opt = _state()
     backend = InProcess(a)
-    ck = cfdist.Checkpointer({"model": m, "optim": opt}, tiers["memory"], cfdist.Every(2), writer=True,
-                             backend=backend, restore_from=tiers["local"])
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, tiers["memory"], cfdist.Every(2),
+                             writers=True, persist=cfdist.PersistOptions(backend=backend), restore_from=tiers["local"])
     _train(ck, m, opt, 8)
     ck.close()
     assert max(backend.sent_bytes) < 16_000, "jobs must carry arena paths, not tensor bytes"
@@ -111,8 +111,8 @@ def test_export_seeds_a_peer_that_restores_the_same_bytes(actors):
     a, b = actors
     a.begin_attempt(0, shared_writer=False)
     m, opt = _state()
-    ck = cfdist.Checkpointer({"model": m, "optim": opt}, a.ready()["memory"], cfdist.Every(3), writer=True,
-                             backend=InProcess(a))
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, a.ready()["memory"], cfdist.Every(3),
+                             writers=True, persist=cfdist.PersistOptions(backend=InProcess(a)))
     _train(ck, m, opt, 6)
     ck.close()
     frozen = a.export(6)
@@ -122,7 +122,7 @@ def test_export_seeds_a_peer_that_restores_the_same_bytes(actors):
     assert transfer.commit_frozen(frozen, 6, dst, source="peer A", keep=1) is False   # already there
     assert b.holdings()["memory"] == [6]
     m2, opt2 = _state(seed=1)
-    ck2 = cfdist.Checkpointer({"model": m2, "optim": opt2}, b.ready()["memory"], cfdist.Every(3), writer=False)
+    ck2 = cfdist.Checkpointer({"model": m2, "optim": opt2}, b.ready()["memory"], cfdist.Every(3), writers=False)
     assert ck2.restore(6) == 6
     assert torch.equal(m2.weight, m.weight) and torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"],
                                                             opt.state_dict()["state"][0]["momentum_buffer"])
@@ -135,8 +135,8 @@ def test_a_replaced_attempt_cannot_persist(actors):
     a, _ = actors
     a.begin_attempt(3, shared_writer=False)
     m, opt = _state()
-    ck = cfdist.Checkpointer({"model": m, "optim": opt}, a.ready()["memory"], cfdist.Every(1), writer=True,
-                             backend=InProcess(a, attempt=2))
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, a.ready()["memory"], cfdist.Every(1),
+                             writers=True, persist=cfdist.PersistOptions(backend=InProcess(a, attempt=2)))
     _train(ck, m, opt, 1)
     with pytest.raises(StaleAttempt, match="attempt 2 refused.*attempt 3"):
         ck.wait()
@@ -160,7 +160,8 @@ def test_memory_tier_never_accumulates_epoch_ends(actors):
     m, opt = _state()
     loader = ResumableLoader(torch.randn(8, 64), 4, seed=0, rank=0, world_size=1)
     ck = cfdist.Checkpointer({"model": m, "optim": opt, "data": loader}, tiers["memory"], cfdist.Every(1),
-                             writer=True, backend=InProcess(a), restore_from=tiers["local"], keep=1,
+                             writers=True, persist=cfdist.PersistOptions(backend=InProcess(a)),
+                             restore_from=tiers["local"], keep=1,
                              keep_epoch_ends=True)
     while ck.step_count < 8:
         for x in loader:
@@ -192,8 +193,8 @@ def test_memory_every_step_keeps_disk_at_the_policys_interval_and_the_end_reache
             return FuturePending(self.ex.submit(self.actor.persist, job, self.attempt, to_disk.policy.to_disk(job.step)),
                                  job.step)
 
-    ck = cfdist.Checkpointer({"model": m, "optim": opt}, tiers["memory"], policy, writer=True,
-                             backend=Backend(a), restore_from=tiers["local"], keep=1)
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, tiers["memory"], policy, writers=True,
+                             persist=cfdist.PersistOptions(backend=Backend(a)), restore_from=tiers["local"], keep=1)
     _train(ck, m, opt, 10)
     ck.close()
     commits = {(e["step"], e["tier"]) for e in a.drain_events()}
@@ -227,7 +228,8 @@ def test_the_actor_encodes_and_a_chain_travels_whole_to_shared_storage_and_peers
     m, opt = _state()
     with torch.no_grad():
         m.weight.zero_()
-    ck = cfdist.Checkpointer({"model": m}, tiers["memory"], cfdist.Every(1), writer=True, backend=InProcess(a),
+    ck = cfdist.Checkpointer({"model": m}, tiers["memory"], cfdist.Every(1), writers=True,
+                             persist=cfdist.PersistOptions(backend=InProcess(a)),
                              codecs=[cfdist.codecs.Incremental(full_every=None)], keep=1)
     for i in range(4):          # one row changes per step: every checkpoint after the first is an increment
         with torch.no_grad():
