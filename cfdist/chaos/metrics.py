@@ -245,15 +245,15 @@ def read_event_log(path: str) -> list[dict]:
         return parse_event_log(f, source=path)
 
 
-def commit_latencies(records: Iterable[dict]) -> list[float]:
-    """Seconds from each step's ``step`` record to its first ``checkpoint_committed``, in log order.
+def commit_spans(records: Iterable[dict]) -> list[tuple[float, float]]:
+    """``(t of the step record, t of its first checkpoint_committed)`` per commit, in log order.
 
     A step executed again after a restore counts again (measured from its new ``step`` record).
     Commits of steps without a ``step`` record (e.g. before the log started) are skipped.
     """
     step_t: dict[int, float] = {}
     done: set[tuple[int, float]] = set()
-    out: list[float] = []
+    out: list[tuple[float, float]] = []
     for r in records:
         if r.get("event") == "step":
             step_t[r["step"]] = r["t"]
@@ -261,8 +261,14 @@ def commit_latencies(records: Iterable[dict]) -> list[float]:
             key = (r["step"], step_t[r["step"]])
             if key not in done:
                 done.add(key)
-                out.append(max(0.0, r["t"] - key[1]))
+                out.append((key[1], max(key[1], r["t"])))
     return out
+
+
+def commit_latencies(records: Iterable[dict]) -> list[float]:
+    """Seconds from each step's ``step`` record to its first ``checkpoint_committed``, in log
+    order (see :func:`commit_spans`)."""
+    return [c - s for s, c in commit_spans(records)]
 
 
 RESTART_PHASES: tuple[str, ...] = ("detect", "restart", "rendezvous", "restore", "first_step")

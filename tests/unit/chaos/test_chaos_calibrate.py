@@ -75,6 +75,44 @@ def test_costs_from_one_run():
     assert costs.scratch_restore_s == costs.restore_s
 
 
+def test_stall_is_measured_at_the_checkpoints_and_slow_iterations_stay_in_iter_s():
+    """One checkpoint in a run whose first 40 iterations ran 20% slow (a shared machine): the
+    checkpoint costs what its own gap took beyond an iteration, not the whole run's noise (the
+    spread-out excess made an epoch policy's checkpoint look ten times dearer, and the simulator
+    then decided a notice's emergency checkpoint could not fit); the slow iterations are time
+    the run spent, so they are in ``iter_s``."""
+    log = _started(k=50)
+    log.ti = 0.12
+    log.run(40)
+    log.ti = 0.1
+    log.run(60, extra_s=0.2)   # step 50 commits; its gap (50 -> 51) took 0.3 s
+    window, _ = training_window(log.recs)
+    m = window_metrics(window, iter_s=0.1, label="x")
+    costs, sample = measure_costs([window], [m])
+    outside = [0.12] * 39 + [0.1] * 59
+    assert costs.iter_s == pytest.approx(sum(outside) / len(outside))
+    assert sample.checkpoints == 1 and sample.gaps == 99
+    assert costs.stall_s == pytest.approx(0.3 - costs.iter_s)
+    assert sample.excess_s == pytest.approx(costs.stall_s)
+
+
+def test_a_start_from_scratch_and_a_restore_of_a_checkpoint_are_measured_apart():
+    """The crash before the first checkpoint restarts from step 0 (2 s: the group's set-up);
+    the later one restores step 10 (0.5 s): each its own cost, not their mean for both."""
+    log = _started().run(3).fail(restore=2.0).run(10).fail("preempt", restore=0.5).run(5)
+    window, _ = training_window(log.recs)
+    m = window_metrics(window, iter_s=0.1, label="x")
+    assert [f.restored_step for f in m.failures] == [0, 10]
+    costs, sample = measure_costs([window], [m])
+    assert sample.recoveries == 2
+    assert (costs.restore_s, costs.scratch_restore_s) == pytest.approx((0.5, 2.0))
+    # a run without a start from scratch takes that cost from the pooled runs
+    only_ckpt = _started().run(12).fail(restore=0.5).run(5)
+    w2, _ = training_window(only_ckpt.recs)
+    c2, _ = measure_costs([w2], [window_metrics(w2, iter_s=0.1, label="y")], fallback=costs)
+    assert (c2.restore_s, c2.scratch_restore_s) == pytest.approx((0.5, 2.0))
+
+
 def test_a_failure_during_a_recovery_is_left_out_of_the_phase_means_and_fallbacks_fill_gaps():
     log = _started().run(10)
     log.at(0.01, "failure", kind="crash", step=10)
