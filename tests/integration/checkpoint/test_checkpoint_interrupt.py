@@ -53,19 +53,33 @@ def _main_blocked_in(fn: str) -> bool:
     return False
 
 
-def _when_main_blocked_in(fn: str, action, timeout: float = 30.0) -> threading.Thread:
-    """On a helper thread: once the main thread blocks inside ``fn``, run ``action()``."""
-    def watch():
-        deadline = time.monotonic() + timeout
-        while not _main_blocked_in(fn):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.002)
-        action()
+class _Watcher:
+    """On a helper thread: once the main thread blocks inside ``fn``, run ``action()``. If it
+    does not within ``timeout`` s, run ``on_timeout()`` (which must unblock the main thread:
+    release the storage) and say so in :meth:`check`, so the test fails naming what did not
+    happen instead of hanging or failing somewhere downstream."""
 
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    return t
+    def __init__(self, fn: str, action, *, on_timeout, timeout: float = 120.0):
+        self.fn, self.fired, self.timed_out = fn, threading.Event(), False
+
+        def watch():
+            deadline = time.monotonic() + timeout
+            while not _main_blocked_in(fn):
+                if time.monotonic() > deadline:
+                    self.timed_out = True
+                    on_timeout()
+                    return
+                time.sleep(0.002)
+            action()
+            self.fired.set()
+
+        self.thread = threading.Thread(target=watch, daemon=True)
+        self.thread.start()
+
+    def check(self) -> None:
+        self.thread.join(timeout=5.0)
+        assert not self.timed_out, f"the main thread never blocked in {self.fn} (the signal was not sent)"
+        assert self.fired.is_set(), f"the watcher for {self.fn} neither fired nor timed out"
 
 
 @pytest.fixture
@@ -117,23 +131,32 @@ def test_interrupt_in_the_wait_for_the_persist_propagates_and_mixes_nothing(memo
     held.hold()
     step()                      # step 2: snapshot, its persist blocks in the storage
     step()
-    _when_main_blocked_in("_wait_inflight", lambda: signal.pthread_kill(main, signal.SIGINT))
-    with pytest.raises(KeyboardInterrupt):
-        step()                  # step 4 waits for persist 2: interrupted there
+    w = _Watcher("_wait_inflight", lambda: signal.pthread_kill(main, signal.SIGINT), on_timeout=held.release)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step()              # step 4 waits for persist 2: interrupted there
+    finally:
+        w.check()
     assert ckpt.step_count == 4 and held.free.is_set() is False
     step()
     waited_again = []
-    _when_main_blocked_in("_wait_inflight", lambda: (waited_again.append(True), held.release()))
-    step()                      # step 6 must wait for persist 2 again before reusing its arenas
+    w = _Watcher("_wait_inflight", lambda: (waited_again.append(True), held.release()), on_timeout=held.release)
+    try:
+        step()                  # step 6 must wait for persist 2 again before reusing its arenas
+    finally:
+        w.check()
     assert waited_again == [True], "step 6 did not wait for the persist the interrupt left in flight"
 
     ckpt.wait()                 # persist 6 committed
     held.hold()
     step()
     step()                      # step 8: snapshot, persist blocked
-    _when_main_blocked_in("_wait_inflight", lambda: signal.pthread_kill(main, signal.SIGTERM))
-    with pytest.raises(SystemExit):
-        ckpt.wait()
+    w = _Watcher("_wait_inflight", lambda: signal.pthread_kill(main, signal.SIGTERM), on_timeout=held.release)
+    try:
+        with pytest.raises(SystemExit):
+            ckpt.wait()
+    finally:
+        w.check()
     held.release()
     ckpt.wait()
     ckpt.close()
