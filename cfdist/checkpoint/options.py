@@ -184,24 +184,40 @@ LEGACY: dict[str, tuple[str, str]] = {
 _GROUPS = {"persist": PersistOptions, "load": LoadOptions, "group": GroupOptions}
 
 
+def route_settings(flat: dict[str, Any], routes: dict[str, tuple[str, str]], given: dict[str, Any],
+                   classes: dict[str, type], *, owner: str) -> dict[str, dict[str, Any]]:
+    """Settings given one by one, sorted into their groups: ``{group: {field: value}}``.
+
+    ``routes``: setting name -> (group, field); ``given``: the groups passed as objects (or
+    None); ``classes``: group -> its options class. A name without a route is a TypeError
+    naming the groups (as Python's own for a wrong keyword); a setting given beside its group a
+    ValueError (two ways of saying one thing could disagree). The one place both the
+    Checkpointer's and ``cfdist.fit``'s flat spellings go through."""
+    moved: dict[str, dict[str, Any]] = {}
+    for name, value in flat.items():
+        route = routes.get(name)
+        if route is None:
+            groups = ", ".join(f"{g}=cfdist.{c.__name__}(...)" for g, c in classes.items())
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}; the grouped settings are {groups}")
+        group, fld = route
+        if given.get(group) is not None:
+            raise ValueError(f"{owner}: {name}= and {group}= both given; pass {name} as "
+                             f"{group}=cfdist.{classes[group].__name__}({fld}=...) only")
+        moved.setdefault(group, {})[fld] = value
+    return moved
+
+
 def from_legacy(groups: dict[str, Any], legacy: dict[str, Any], *, owner: str = "Checkpointer",
                 stacklevel: int = 3) -> dict[str, Any]:
     """``groups`` with the old flat keywords of ``legacy`` moved into their groups (a
     ``DeprecationWarning`` naming the new spelling each; ``writer=`` is the constructor's to
-    map, onto ``writers=``). A keyword the constructor never had is a TypeError, as Python's
-    own; an old keyword given beside its group a ValueError (two ways of saying one thing)."""
-    out = dict(groups)
-    moved: dict[str, dict[str, Any]] = {}
-    for name, value in legacy.items():
-        if name not in LEGACY:
-            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+    map, onto ``writers=``). Errors as :func:`route_settings`."""
+    moved = route_settings(legacy, LEGACY, groups, _GROUPS, owner=owner)
+    for name in legacy:
         group, fld = LEGACY[name]
-        if out.get(group) is not None:
-            raise ValueError(f"{owner}: {name}= and {group}= both given; pass {name} as "
-                             f"{group}=cfdist.{_GROUPS[group].__name__}({fld}=...) only")
         warnings.warn(f"{owner}({name}=...) is deprecated: pass {group}=cfdist.{_GROUPS[group].__name__}({fld}=...)",
                       DeprecationWarning, stacklevel=stacklevel)   # at the caller's line
-        moved.setdefault(group, {})[fld] = value
+    out = dict(groups)
     for group, fields in moved.items():
         out[group] = _GROUPS[group](**fields)
     return out

@@ -11,6 +11,7 @@ import re
 import warnings
 from dataclasses import asdict, dataclass, fields
 
+from cfdist.checkpoint.options import route_settings
 from cfdist.storage.redact import redact_url
 
 NODE_PLACEHOLDER = "{node}"
@@ -177,16 +178,8 @@ class FitConfig:
         for name, value in given.items():
             if value is not None and not isinstance(value, GROUPS[name]):
                 raise TypeError(f"{owner}({name}=...) must be a cfdist.{GROUPS[name].__name__}, got {value!r}")
-        moved: dict[str, dict] = {}
-        for key, value in (flat or {}).items():
-            group = GROUP_OF.get(key)
-            if group is None:
-                raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}; the grouped settings are "
-                                f"{', '.join(f'{g}=cfdist.{c.__name__}(...)' for g, c in GROUPS.items())}")
-            if given[group] is not None:
-                raise ValueError(f"{owner}: {key}= and {group}= both given; pass {key} in "
-                                 f"{group}=cfdist.{GROUPS[group].__name__}({key}=...) only")
-            moved.setdefault(group, {})[key] = value
+        routes = {key: (group, key) for key, group in GROUP_OF.items()}
+        moved = route_settings(flat or {}, routes, given, GROUPS, owner=owner)
         out = dict(settings)
         for group, cls_ in GROUPS.items():
             values = asdict(given[group]) if given[group] is not None else {}

@@ -35,7 +35,7 @@ def test_every_grouped_setting_has_one_group_and_the_config_the_same_default():
 def test_settings_one_by_one_join_their_group_and_two_spellings_of_one_are_refused():
     c = FitConfig.build(storage="/tmp/x", flat={"shared_every": 7, "progress": False})
     assert (c.shared_every, c.progress) == (7, False)
-    with pytest.raises(ValueError, match=r"shared_every= and tiers= both given; pass shared_every in "
+    with pytest.raises(ValueError, match=r"shared_every= and tiers= both given; pass shared_every as "
                                          r"tiers=cfdist.TierOptions\(shared_every=...\) only"):
         FitConfig.build(storage="/tmp/x", tiers=cfdist.TierOptions(), flat={"shared_every": 7})
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'shared_evry'; the grouped settings are "
