@@ -328,6 +328,15 @@ class _Segment:
         return e if commit <= t_kill + _TOL else None
 
 
+def step_time(*, costs: Costs, k: int, t0: float, s0: int, step: int) -> float:
+    """When step ``step`` (> ``s0``) finishes in an uninterrupted segment that started training at
+    ``t0`` from the committed step ``s0`` and checkpoints every ``k`` steps (the simulator's own
+    timing: stalls, and waits for the previous commit)."""
+    if step <= s0:
+        raise ValueError(f"step {step} must come after the segment's start step {s0}")
+    return _Segment(t0=t0, s0=s0, k=k, costs=costs).time_of_step(step)
+
+
 class _Incident:
     def __init__(self, t: float, kind: str, step: int, restored: int, events: int) -> None:
         self.t, self.kind, self.step, self.restored, self.events = t, kind, step, restored, events
