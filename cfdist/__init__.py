@@ -14,6 +14,7 @@ from cfdist.checkpoint.retry import RetryPolicy, StorageUnavailable
 from cfdist.cluster import FitError, FitResult, TrainContext
 from cfdist.cluster.exits import exit_process
 from cfdist.data import DALIResumableIterator, ResumableLoader, ResumableSampler
+from cfdist.planner import plan
 from cfdist.policy import Auto, Every, EveryEpoch
 
 __version__ = "0.1.0"
@@ -22,6 +23,6 @@ __all__ = [
     "AgreementError", "Auto", "CheckpointError", "Checkpointer", "DALIResumableIterator", "Every", "EveryEpoch",
     "FitError", "FitResult", "GroupOptions", "LoadOptions", "OutputOptions", "PersistOptions",
     "RecoveryOptions", "ResumableLoader", "ResumableSampler", "RetryPolicy", "StorageUnavailable", "TierOptions", "TrainContext",
-    "fit",
+    "fit", "plan",
     "codecs", "exit_process", "list_checkpoints", "load", "__version__",
 ]

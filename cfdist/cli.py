@@ -9,6 +9,7 @@
     cfdist export file:///mnt/ssd/cfdist/run1 --format safetensors --out ./model   # for inference
     cfdist demo                       # the local demo (python -m cfdist.demo)
     cfdist bench                      # checkpoint benchmarks vs torch.save and DCP (--quick, --full)
+    cfdist plan --iter-s 0.5 --steps 40000 --state-gb 20 --trace bamboo-p3-trace.csv   # dollars and hours
 
 Subcommands live in :data:`SUBCOMMANDS`: ``name -> "module:function"``; the function receives
 the ``argparse`` subparsers object and registers its parser with ``set_defaults(run=...)`` (or
@@ -37,6 +38,7 @@ SUBCOMMANDS: dict[str, str] = {
     "demo": "cfdist.cli:_register_demo",
     "experiment": "cfdist.experiments.experiment:register",   # preemption experiments (cfdist/experiments)
     "bench": "cfdist.benchmarks.cli:register",             # benchmarks vs torch.save and DCP
+    "plan": "cfdist.planner.cli:register",                 # cost of a run on spot machines (cfdist/planner)
 }
 
 
