@@ -87,7 +87,8 @@ class Candidate:
         if self.capacity not in CAPACITIES:
             raise ValueError(f"capacity must be one of {', '.join(CAPACITIES)}, got {self.capacity!r}")
         if not (0 < self.codec_ratio <= 1.0 or self.codec == "none"):
-            raise ValueError(f"codec ratio of {self.codec!r} must be in (0, 1] (persisted / raw bytes), got {self.codec_ratio!r}")
+            raise ValueError(f"codec ratio of {self.codec!r} must be in (0, 1] (persisted / raw bytes), "
+                             f"got {self.codec_ratio!r}")
         if not isinstance(self.shared_every, int) or self.shared_every < 1:
             raise ValueError(f"shared_every must be an int >= 1, got {self.shared_every!r}")
 

@@ -11,9 +11,10 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cfdist.chaos.simulator import step_time
 from cfdist.planner.failures import RateFailures, TraceFailures
 from cfdist.planner.job import Job
-from cfdist.planner.model import CAPACITIES, Candidate, Outcome, candidate_costs, run_once
+from cfdist.planner.model import Candidate, Outcome, candidate_costs, run_once
 from cfdist.planner.prices import Prices, load_prices
 
 DEFAULT_EVERY = (100, 500, 2000)
@@ -211,9 +212,13 @@ def plan(job: Job, *, failures: TraceFailures | RateFailures, prices: Prices | s
     deadline_s = None if deadline_h is None else deadline_h * 3600.0
     rows = []
     mtbf = {n: failures.mtbf_s(n) for n in {c.nodes for c in cands}}
-    fastest = math.inf
-    for i, c in enumerate(cands):
-        m = candidate_costs(job, c, mtbf_s=mtbf[c.nodes])
+    models = [candidate_costs(job, c, mtbf_s=mtbf[c.nodes]) for c in cands]
+    if deadline_h is not None:
+        fastest = min(step_time(costs=m.costs, k=m.k_sim, t0=0.0, s0=0, step=job.steps) for m in models) / 3600
+        if fastest > deadline_h:
+            raise ValueError(f"impossible deadline: {deadline_h:g} h is shorter than the fastest failure-free run "
+                             f"of any candidate ({fastest:.3g} h); give --deadline-h above that, or more --nodes")
+    for i, (c, m) in enumerate(zip(cands, models)):
         runs = 1 if c.capacity == "on-demand" else seeds
         outs = []
         for seed in range(runs):
@@ -228,12 +233,7 @@ def plan(job: Job, *, failures: TraceFailures | RateFailures, prices: Prices | s
             row = PlanRow(candidate=c, outcomes=tuple(outs), k=m.k, k_reason=m.k_reason, deadline_h=deadline_h,
                           mtbf_s=mtbf[c.nodes], ranks_per_node=job.ranks_per_node)
             rows.append(row)
-            if c.capacity == "on-demand":
-                fastest = min(fastest, row.hours)
         _progress(i + 1, len(cands), progress)
-    if deadline_h is not None and fastest > deadline_h:
-        raise ValueError(f"impossible deadline: {deadline_h:g} h is shorter than the fastest failure-free run "
-                         f"on on-demand nodes ({fastest:.3g} h); give --deadline-h above that or more nodes")
     if not rows:
         raise ValueError(f"no candidate could be evaluated: {'; '.join(skipped)}")
     rows.sort(key=lambda r: (r.dollars, r.hours, r.name))
