@@ -19,6 +19,7 @@ crashes of a process on a node that stays up. Two sources:
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -96,12 +97,7 @@ class TraceFailures:
         return f"trace {os.path.basename(self.path)}"
 
     def _membership(self, seed: int) -> Membership | None:
-        if _is_skypilot(self.path):
-            with open(self.path, encoding="utf-8") as f:
-                gap, counts = parse_skypilot(f.read(), source=self.path)
-            return skypilot_membership(gap, counts, seed=seed)
-        replay = TraceReplay(self.path, seed=seed)
-        return None if replay.trace_format() == "lifetimes" else replay.membership()
+        return _membership(self.path, seed)
 
     def max_nodes(self) -> int | None:
         """The most VMs the trace ever holds at once (None: lifetimes, no limit)."""
@@ -110,13 +106,10 @@ class TraceFailures:
 
     def events(self, nodes: int, horizon_s: float, seed: int) -> list[FailureEvent]:
         """Preemptions and returns of a ``nodes``-node job before ``horizon_s`` for ``seed``."""
-        m = self._membership(seed)
-        if m is None:
+        one = _one_pass(self.path, seed, nodes, self.notice_s)
+        if one is None:
             return TraceReplay(self.path, seed=seed, notice_s=self.notice_s).events(nodes, horizon_s)
-        one = slot_events(m, num_nodes=nodes, start_s=None, time_scale=1.0, notice_s=self.notice_s,
-                          horizon_s=math.inf)
-        start = next(t for t, s in pool_size_series(m) if s >= nodes)
-        span = max(m[-1][0] - start, 1.0)
+        events, span = one
         offset = (seed % self.windows) / self.windows * span
         out: list[FailureEvent] = []
         rep = 0
@@ -124,24 +117,44 @@ class TraceFailures:
             base = rep * span - offset
             if rep:   # each repetition starts with every slot up again
                 out += [FailureEvent(time_s=base, kind="return", node=n) for n in range(nodes) if base >= 0]
-            out += [_shift(e, base) for e in one if 0 <= e.time_s + base < horizon_s]
+            out += [_shift(e, base) for e in events if 0 <= e.time_s + base < horizon_s]
             rep += 1
         return sort_events(out)
 
     def mtbf_s(self, nodes: int) -> float:
         """Mean seconds between the job's preemptions over the whole trace (one pass)."""
-        m = self._membership(0)
-        if m is None:
+        one = _one_pass(self.path, 0, nodes, 0.0)
+        if one is None:
             lives = TraceReplay(self.path).lifetimes_s()
-            return statistics_mean(lives) / nodes
-        evs = slot_events(m, num_nodes=nodes, start_s=None, time_scale=1.0, notice_s=0.0, horizon_s=math.inf)
-        start = next(t for t, s in pool_size_series(m) if s >= nodes)
-        n = len({e.time_s for e in evs if e.kind == "preempt"})
-        return (m[-1][0] - start) / n if n else math.inf
+            return sum(lives) / len(lives) / nodes if lives else math.inf
+        events, span = one
+        n = len({e.time_s for e in events if e.kind == "preempt"})
+        return span / n if n else math.inf
 
 
-def statistics_mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.inf
+@functools.lru_cache(maxsize=32)
+def _membership(path: str, seed: int) -> Membership | None:
+    """The trace file's membership changes (None: a lifetimes file). Cached: read once per seed."""
+    if _is_skypilot(path):
+        with open(path, encoding="utf-8") as f:
+            gap, counts = parse_skypilot(f.read(), source=path)
+        return skypilot_membership(gap, counts, seed=seed)
+    replay = TraceReplay(path, seed=seed)
+    return None if replay.trace_format() == "lifetimes" else replay.membership()
+
+
+@functools.lru_cache(maxsize=128)
+def _one_pass(path: str, seed: int, nodes: int, notice_s: float) -> tuple[tuple[FailureEvent, ...], float] | None:
+    """``(events, span_s)`` of one pass over a cluster trace for ``nodes`` slots (None: lifetimes)."""
+    m = _membership(path, seed)
+    if m is None:
+        return None
+    if not any(s >= nodes for _, s in pool_size_series(m)):
+        most = max((s for _, s in pool_size_series(m)), default=0)
+        raise ValueError(f"{path} never holds {nodes} VMs at once (at most {most}); plan for at most {most} nodes")
+    events = slot_events(m, num_nodes=nodes, start_s=None, time_scale=1.0, notice_s=notice_s, horizon_s=math.inf)
+    start = next(t for t, s in pool_size_series(m) if s >= nodes)
+    return tuple(events), max(m[-1][0] - start, 1.0)
 
 
 def _shift(e: FailureEvent, dt: float) -> FailureEvent:
