@@ -35,18 +35,21 @@ def table(result: PlanResult, *, limit: int | None = 20) -> str:
 def summary(result: PlanResult) -> str:
     """A few lines: the job, the failures, the recommendation and what it saves."""
     j, best = result.job, result.best
-    od = [r for r in result.rows if r.candidate.capacity == "on-demand"]
     lines = [f"job: {j.steps} steps of {j.iter_s:g} s on {j.ref_nodes} node(s), {j.state_bytes / 1e9:.3g} GB per "
              f"checkpoint; failures: {result.failures_label}; prices: {result.instance}"
              + (f"; deadline {result.deadline_h:g} h" if result.deadline_h is not None else ""),
-             f"recommended: {best.name}: {best.hours:.2f} h (p90 {best.p90_hours:.2f}), "
-             f"{best.dollars:,.2f} {result.currency} (p90 {best.p90_dollars:,.2f}), goodput {best.goodput:.3f}"]
-    if od:
-        cheapest_od = min(od, key=lambda r: r.dollars)
-        if cheapest_od is not best and cheapest_od.dollars > 0:
-            lines.append(f"vs the cheapest on-demand plan ({cheapest_od.name}, {cheapest_od.hours:.2f} h, "
-                         f"{cheapest_od.dollars:,.2f}): {1 - best.dollars / cheapest_od.dollars:.0%} cheaper, "
-                         f"{best.hours - cheapest_od.hours:+.2f} h")
+             f"recommended (row {result.rows.index(best) + 1}): {best.name}: {best.hours:.2f} h "
+             f"(p90 {best.p90_hours:.2f}), {best.dollars:,.2f} {result.currency} (p90 {best.p90_dollars:,.2f}), "
+             f"goodput {best.goodput:.3f}"]
+    c = best.candidate
+    same = [r for r in result.rows if r.candidate.capacity == "on-demand" and
+            (r.candidate.policy, r.candidate.tiers, r.candidate.recovery, r.candidate.codec, r.candidate.nodes) ==
+            (c.policy, c.tiers, c.recovery, c.codec, c.nodes)]
+    if same and same[0] is not best and same[0].dollars > 0:
+        od = same[0]
+        lines.append(f"the same settings on on-demand nodes: {od.hours:.2f} h, {od.dollars:,.2f} {result.currency}; "
+                     f"the recommendation costs {1 - best.dollars / od.dollars:.0%} less and takes "
+                     f"{best.hours - od.hours:+.2f} h")
     if result.skipped:
         lines.append(f"skipped {len(result.skipped)}: " + "; ".join(result.skipped[:3])
                      + (" ..." if len(result.skipped) > 3 else ""))

@@ -49,7 +49,7 @@ def test_plan_table_and_recommendation(tmp_path, capsys):
     assert main([*ARGS, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:3] == ["#", "candidate", "k"]
-    assert "recommended: " in out and "cfdist.fit(train_loop" in out and "tiers: {local_tier:" in out
+    assert "recommended (row " in out and "cfdist.fit(train_loop" in out and "tiers: {local_tier:" in out
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -28,7 +28,7 @@ ROOT = pathlib.Path(importlib.util.find_spec("cfdist").submodule_search_location
 
 # ARCHITECTURE.md's layer table, top to bottom, as data: a module may import modules of its own
 # layer or of any layer below it. Keys are the first name under ``cfdist`` (a folder or a module).
-ENTRY = ("__init__", "api", "cli", "demo", "lightning", "ray_train", "codecs", "experiments", "benchmarks")
+ENTRY = ("__init__", "api", "cli", "demo", "lightning", "ray_train", "codecs", "experiments", "benchmarks", "planner")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ENTRY),
     # Test support (fault-injecting storage) used by tests, benchmarks and experiments; product
