@@ -7,7 +7,7 @@
   SkyPilot spot-traces JSON) and :class:`RateFailures` (a rate per node-hour).
 - :mod:`~cfdist.planner.model`: the cost model of one candidate under one schedule (its
   assumptions are listed there), on top of :func:`cfdist.chaos.simulate`.
-- :mod:`~cfdist.planner.plan`: :func:`plan` over the candidate grid and the seeds.
+- :mod:`~cfdist.planner.evaluate`: :func:`plan` over the candidate grid and the seeds.
 - :mod:`~cfdist.planner.output`: the table, the recommendation, JSON and the PNG.
 - :mod:`~cfdist.planner.cli`: the ``cfdist plan`` command.
 
@@ -26,7 +26,7 @@ Example::
 from cfdist.planner.failures import RateFailures, TraceFailures, parse_skypilot, resolve_trace
 from cfdist.planner.job import Job
 from cfdist.planner.model import Candidate, Outcome
-from cfdist.planner.plan import PlanResult, PlanRow, grid, plan
+from cfdist.planner.evaluate import PlanResult, PlanRow, grid, plan
 from cfdist.planner.prices import InstancePrice, Prices, example_prices_path, load_prices, parse_prices
 
 __all__ = [

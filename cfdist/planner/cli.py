@@ -143,7 +143,7 @@ def failures_from_args(a: argparse.Namespace):
 def run(a: argparse.Namespace) -> int:
     """``cfdist plan``: evaluate, print the table (or JSON), write the files; 0."""
     from cfdist.planner import output
-    from cfdist.planner.plan import plan
+    from cfdist.planner.evaluate import plan
     from cfdist.planner.prices import load_prices
 
     job = job_from_args(a)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cfdist.planner.plan import PlanResult, PlanRow
+from cfdist.planner.evaluate import PlanResult, PlanRow
 
 
 def table(result: PlanResult, *, limit: int | None = 20) -> str:
