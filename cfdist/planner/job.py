@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from cfdist.chaos.calibrate import iteration_time, measure_costs, training_window, window_metrics
+from cfdist.chaos.metrics import read_event_log
+from cfdist.chaos.simulator import Costs
 
 
 def _num(name: str, value, *, positive: bool = False, hint: str = "") -> None:
@@ -78,24 +82,15 @@ class Job:
         """Seconds per step on ``nodes`` nodes (the ``scaling`` rule)."""
         return self.iter_s * (self.ref_nodes / nodes) ** self.scaling
 
-    def with_(self, **changes) -> Job:
-        """A copy with ``changes`` (validated again)."""
-        return replace(self, **changes)
-
     @classmethod
     def from_event_log(cls, path: str, *, steps: int, state_bytes: int, **given) -> Job:
         """Step time, stall, commit latency, restart, detect and restore from a ``cfdist.fit``
         JSONL event log (:mod:`cfdist.chaos.calibrate`'s measurement), ``ref_nodes`` from its
         ``start`` record. A recovery the log does not contain keeps the default (or ``given``)."""
-        from cfdist.chaos.calibrate import iteration_time, measure_costs, training_window, window_metrics
-        from cfdist.chaos.metrics import read_event_log
-
         records = read_event_log(path)
         window, _ = training_window(records)
         metrics = window_metrics(window, iter_s=iteration_time(window), label="measured")
         base = cls(iter_s=1.0, steps=steps, state_bytes=state_bytes)
-        from cfdist.chaos.simulator import Costs
-
         fallback = Costs(iter_s=1.0, stall_s=0.0, persist_s=0.0, restore_s=base.restore_s,
                          restart_s=base.restart_s, detect_s=base.detect_s)
         c, sample = measure_costs([window], [metrics], fallback=fallback)

@@ -30,7 +30,9 @@ Assumptions (each one is also in ``docs/planning.md``):
   ``uniform-progress`` runs on spot while the committed progress is on or above the straight
   line from 0 to ``steps`` at the deadline, and finishes on on-demand from the moment it falls
   below (a one-way version of "Can't Be Late"'s Uniform Progress, which also returns to spot).
-  The switch costs ``restart_s`` + the shared download + ``restore_s``.
+  The switch costs ``restart_s`` + the shared download + ``restore_s``. The rule compares the
+  line with the simulated rollback, so with peer copy it does not see the extra rollback of a
+  failure that took every node (charged afterwards, as for spot).
 - **Nodes**: ``iter_s`` scales with the node count as :meth:`Job.iter_s_on` says; a fixed-size
   job waits until all its nodes are up (no elastic shrinking).
 - **Dollars** = spot node-hours x spot price + on-demand node-hours x on-demand price + shared
@@ -257,7 +259,11 @@ def run_once(job: Job, cand: Candidate, m: Model, price: InstancePrice, prices: 
 
 def _shared_reads(r: SimResult, cand: Candidate) -> int:
     """Checkpoint downloads from shared storage (one per node per restore from shared)."""
-    return 0 if cand.recovery == "peer" else len(r.failures) * cand.nodes
+    return _shared_reads_before(r.failures, cand)
+
+
+def _shared_reads_before(failures, cand: Candidate) -> int:
+    return 0 if cand.recovery == "peer" else len(failures) * cand.nodes
 
 
 def _uniform_progress(job, cand, m, price, prices, events_for, deadline_s) -> Outcome:
@@ -281,16 +287,18 @@ def _uniform_progress(job, cand, m, price, prices, events_for, deadline_s) -> Ou
     (what, t, step, first), events = _grow(events_for, m, n, target, decide)
     r = _simulate(events, m, n, t)
     if what == "finish":
-        return _outcome(job, cand, m, prices, price, hours_s=t, spot_s=r.worker_s, od_s=0.0, lost_s=_lost_s(r),
-                        failures=len(r.failures), shared_reads=_shared_reads(r, cand))
-    # the failures up to the switch, the one that made it fall behind included (it may be at t itself)
+        extra, wide = _extra_all_nodes(r, m, cand)
+        return _outcome(job, cand, m, prices, price, hours_s=t + extra, spot_s=r.worker_s + n * extra, od_s=0.0,
+                        lost_s=_lost_s(r) + extra, failures=len(r.failures),
+                        shared_reads=_shared_reads(r, cand) + wide)
+    # the failures up to the switch, the one that made it fall behind included (it may be at t
+    # itself; its restore happens on the on-demand nodes: n downloads from shared storage)
     before = [f for f in first.failures if f.time_s <= t]
     lost = sum(f.step - f.restored_step for f in before) * m.costs.iter_s
     switch_s = m.costs.restart_s + m.shared_read_s + m.costs.restore_s
     end = step_time(costs=m.costs, k=m.k_sim, t0=t + switch_s, s0=step, step=target) if step < target else t
     return _outcome(job, cand, m, prices, price, hours_s=end, spot_s=r.worker_s, od_s=n * (end - t),
-                    lost_s=lost, failures=len(before), shared_reads=(0 if cand.recovery == "peer" else
-                                                                    len(before) * n) + n,
+                    lost_s=lost, failures=len(before), shared_reads=_shared_reads_before(before[:-1], cand) + n,
                     switched_at_s=t)
 
 
