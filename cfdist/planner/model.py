@@ -27,12 +27,14 @@ Assumptions (each one is also in ``docs/planning.md``):
   and the storage bill scale by it; encoding and decoding time are not modelled.
 - **Capacity**: ``spot`` nodes are preempted by the schedule and are billed only while up;
   ``on-demand`` nodes are never preempted and billed from start to finish;
-  ``uniform-progress`` runs on spot while the committed progress is on or above the straight
-  line from 0 to ``steps`` at the deadline, and finishes on on-demand from the moment it falls
-  below (a one-way version of "Can't Be Late"'s Uniform Progress, which also returns to spot).
-  The switch costs ``restart_s`` + the shared download + ``restore_s``. The rule compares the
-  line with the simulated rollback, so with peer copy it does not see the extra rollback of a
-  failure that took every node (charged afterwards, as for spot).
+  ``uniform-progress`` (after "Can't Be Late"'s Uniform Progress) runs on spot while the
+  committed progress is on or above the straight line from 0 to ``steps`` at the deadline; when
+  a preemption leaves it below the line before it could resume on spot, it moves to on-demand
+  (restart + shared download + restore). It moves back to spot at the first checkpoint that
+  commits while it would still be on the line after paying that switch again and every spot
+  slot of the schedule is up (spot billed for the switch). The rule compares the line with the
+  simulated rollback, so with peer copy it does not see the extra rollback of a failure that
+  took every node (charged afterwards, as for spot).
 - **Nodes**: ``iter_s`` scales with the node count as :meth:`Job.iter_s_on` says; a fixed-size
   job waits until all its nodes are up (no elastic shrinking).
 - **Dollars** = spot node-hours x spot price + on-demand node-hours x on-demand price + shared
@@ -44,7 +46,7 @@ Assumptions (each one is also in ``docs/planning.md``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cfdist.chaos.events import FailureEvent
 from cfdist.chaos.simulator import Auto as SimAuto
@@ -217,9 +219,10 @@ def _grow(events_for, m: Model, nodes: int, target: int, decide):
         if got is not None:
             return got, events
         if horizon > MAX_STRETCH * ff:
-            raise ValueError(f"does not finish within {MAX_STRETCH:g}x its failure-free time ({ff / 3600:.3g} h): "
-                             f"it rolls back {m.k_sim} steps ({m.k_sim * m.costs.iter_s:.0f} s) or more per failure, "
-                             f"longer than the time between failures; checkpoint more often or use peer copy")
+            raise ValueError(f"does not finish within {MAX_STRETCH:g}x its failure-free time ({ff / 3600:.3g} h) "
+                             f"under this failure schedule: its nodes stay down, or failures come faster than it "
+                             f"redoes the up to {m.k_sim} steps ({m.k_sim * m.costs.iter_s:.0f} s) it rolls back "
+                             f"per failure; checkpoint more often or use peer copy")
         horizon *= 2.0
 
 
@@ -266,40 +269,100 @@ def _shared_reads_before(failures, cand: Candidate) -> int:
     return 0 if cand.recovery == "peer" else len(failures) * cand.nodes
 
 
+MAX_SWITCHES = 200   # moves between spot and on-demand in one uniform-progress run
+
+
+def _all_up_series(events: list[FailureEvent], nodes: int) -> tuple[list[float], list[bool]]:
+    """``(times, all_up)``: from each time on (until the next), whether every spot slot is up."""
+    up, times, flags = [True] * nodes, [0.0], [True]
+    for i, e in enumerate(events):
+        if e.kind == "preempt":
+            up[e.node] = False
+        elif e.kind == "return":
+            up[e.node] = True
+        if i + 1 == len(events) or events[i + 1].time_s != e.time_s:
+            times.append(e.time_s)
+            flags.append(all(up))
+    return times, flags
+
+
 def _uniform_progress(job, cand, m, price, prices, events_for, deadline_s) -> Outcome:
+    """Spot while on or above the uniform line, on-demand while below it (module docstring)."""
+    import bisect
+
     target, n = job.steps, cand.nodes
     slope = target / deadline_s      # steps per second of the uniform line
-
-    def decide(r: SimResult):
-        t0, s0 = 0.0, 0
-        for f in sorted(r.failures, key=lambda f: f.time_s):
-            if f.step >= target:
-                return ("finish", step_time(costs=m.costs, k=m.k_sim, t0=t0, s0=s0, step=target), None, r)
-            resume = f.time_s + f.detect_s + f.wait_s + f.restart_s + f.restore_s
-            behind_at = max(f.time_s, f.restored_step / slope)
-            if behind_at < resume:
-                return ("switch", behind_at, f.restored_step, r)
-            t0, s0 = resume, f.restored_step
-        if r.useful_iters >= target and s0 < target:
-            return ("finish", step_time(costs=m.costs, k=m.k_sim, t0=t0, s0=s0, step=target), None, r)
-        return None
-
-    (what, t, step, first), events = _grow(events_for, m, n, target, decide)
-    r = _simulate(events, m, n, t)
-    if what == "finish":
-        extra, wide = _extra_all_nodes(r, m, cand)
-        return _outcome(job, cand, m, prices, price, hours_s=t + extra, spot_s=r.worker_s + n * extra, od_s=0.0,
-                        lost_s=_lost_s(r) + extra, failures=len(r.failures),
-                        shared_reads=_shared_reads(r, cand) + wide)
-    # the failures up to the switch, the one that made it fall behind included (it may be at t
-    # itself; its restore happens on the on-demand nodes: n downloads from shared storage)
-    before = [f for f in first.failures if f.time_s <= t]
-    lost = sum(f.step - f.restored_step for f in before) * m.costs.iter_s
     switch_s = m.costs.restart_s + m.shared_read_s + m.costs.restore_s
-    end = step_time(costs=m.costs, k=m.k_sim, t0=t + switch_s, s0=step, step=target) if step < target else t
-    return _outcome(job, cand, m, prices, price, hours_s=end, spot_s=r.worker_s, od_s=n * (end - t),
-                    lost_s=lost, failures=len(before), shared_reads=_shared_reads_before(before[:-1], cand) + n,
-                    switched_at_s=t)
+    commit_s = m.costs.commit_s
+    t, c = 0.0, 0                    # the current phase starts at time t from committed step c
+    spot_s = od_s = lost = extra_s = 0.0
+    fails = reads = 0
+    switched_at = None
+    for _ in range(MAX_SWITCHES):
+        def shifted(h, t=t):
+            return [replace(e, time_s=e.time_s - t) for e in events_for(t + h) if e.time_s >= t]
+
+        def decide(r: SimResult, t=t, c=c):
+            t0, s0 = 0.0, 0
+            for f in sorted(r.failures, key=lambda f: f.time_s):
+                if c + f.step >= target:
+                    return ("finish", step_time(costs=m.costs, k=m.k_sim, t0=t0, s0=s0, step=target - c), None, r)
+                resume = f.time_s + f.detect_s + f.wait_s + f.restart_s + f.restore_s
+                behind_at = max(f.time_s, (c + f.restored_step) / slope - t)
+                if behind_at < resume:
+                    return ("switch", behind_at, f.restored_step, r)
+                t0, s0 = resume, f.restored_step
+            if r.useful_iters >= target - c and s0 < target - c:
+                return ("finish", step_time(costs=m.costs, k=m.k_sim, t0=t0, s0=s0, step=target - c), None, r)
+            return None
+
+        (what, dt, step, first), events = _grow(shifted, m, n, target - c, decide)
+        r = _simulate(events, m, n, dt)
+        if what == "finish":
+            extra, wide = _extra_all_nodes(r, m, cand)
+            spot_s += r.worker_s + n * extra
+            lost += _lost_s(r) + extra
+            extra_s += extra
+            fails += len(r.failures)
+            reads += _shared_reads(r, cand) + wide
+            end = t + dt + extra_s
+            break
+        # the failures up to the switch, the one that made it fall behind included (it may be at the
+        # switch itself; its restore happens on the on-demand nodes: n downloads from shared storage)
+        before = [f for f in first.failures if f.time_s <= dt]
+        spot_s += r.worker_s
+        lost += sum(f.step - f.restored_step for f in before) * m.costs.iter_s
+        fails += len(before)
+        reads += _shared_reads_before(before[:-1], cand) + n
+        t_sw, c = t + dt, c + step
+        switched_at = t_sw if switched_at is None else switched_at
+        # on-demand from t_sw: back to spot at the first checkpoint that commits with the job still on
+        # the line after the switch back, and every spot slot up; else finish on on-demand
+        start = t_sw + switch_s
+        finish = step_time(costs=m.costs, k=m.k_sim, t0=start, s0=c, step=target) if c < target else start
+        times, flags = _all_up_series(events_for(finish + 1.0), n)
+        back = None
+        s = (c // m.k_sim + 1) * m.k_sim
+        while s < target:
+            at = step_time(costs=m.costs, k=m.k_sim, t0=start, s0=c, step=s) + commit_s
+            if s >= slope * (at + switch_s) and flags[bisect.bisect_right(times, at) - 1]:
+                back = (s, at)
+                break
+            s += m.k_sim
+        if back is None:
+            od_s += n * (finish - t_sw)
+            end = finish + extra_s
+            break
+        s, at = back
+        od_s += n * (at - t_sw)
+        spot_s += n * switch_s           # the spot nodes restart and restore before training
+        reads += n
+        t, c = at + switch_s, s
+    else:
+        raise ValueError(f"moved between spot and on-demand more than {MAX_SWITCHES} times; "
+                         f"give a later deadline")
+    return _outcome(job, cand, m, prices, price, hours_s=end, spot_s=spot_s, od_s=od_s, lost_s=lost,
+                    failures=fails, shared_reads=reads, switched_at_s=switched_at)
 
 
 def _outcome(job, cand, m, prices: Prices, price: InstancePrice, *, hours_s, spot_s, od_s, lost_s, failures,

@@ -87,18 +87,37 @@ def test_hours_and_dollars_by_hand(name, changes, cand, events, want):
 
 def test_a_deadline_that_forces_on_demand():
     """Deadline 1200 s: the uniform line is at step 500 at 600 s. The preemption at 550 s leaves
-    the job at its step-500 checkpoint with the node gone until 850 s: it falls below the line at
-    600 s, before it could resume on spot (862 s), so it switches then. Restart 10 + restore 2:
-    trains from 612 s, ends at 1112 s (in time). Spot billed 0-550 s while the node was up, on-demand
-    600-1112 s. Spot billed: both nodes 0-550 s, node 1 550-600 s (1150 node-s); on-demand: two
-    nodes 600-1112 s (1024 node-s). Plain spot on the same schedule ends at 1362 s, too late."""
-    j, events = job(), preempt(550.0, back=850.0)
+    the job at its step-500 checkpoint with node 0 gone for good: it falls below the line at
+    600 s, before it could ever resume on spot, so it switches then. Restart 10 + restore 2:
+    trains from 612 s, ends at 1112 s (in time) on on-demand (spot never has both nodes again).
+    Spot billed: both nodes 0-550 s, node 1 550-600 s (1150 node-s); on-demand: two nodes
+    600-1112 s (1024 node-s). Plain spot on the same schedule never finishes."""
+    j, events = job(), [FailureEvent(time_s=550.0, kind="preempt", node=0)]
     up = outcome(j, Candidate(policy="every:100", nodes=2, capacity="uniform-progress"), events, deadline_s=1200.0)
     assert up.switched_at_h == pytest.approx(600.0 / 3600)
     assert up.hours == pytest.approx(1112.0 / 3600)
     assert up.spot_node_hours == pytest.approx(1150.0 / 3600)
     assert up.on_demand_node_hours == pytest.approx(1024.0 / 3600)
     assert up.dollars == pytest.approx(1150.0 / 3600 * 1.0 + 1024.0 / 3600 * 3.0)
+    assert up.lost_hours == pytest.approx(50.0 / 3600)
+    with pytest.raises(ValueError, match="does not finish"):
+        outcome(j, Candidate(policy="every:100", nodes=2), events)
+
+
+def test_uniform_progress_goes_back_to_spot_when_ahead_again():
+    """As above, but node 0 is back at 850 s. On on-demand from 612 s at step 500, checkpoints
+    commit at 712 s (step 600), 812 s (700), 912 s (800). Going back costs 12 s, so a checkpoint
+    qualifies when its step >= 1000/1200 x (commit + 12): 600 < 603 no; 700 >= 687 but node 0 is
+    still down at 812 s; 800 >= 770 and both up: back to spot at 912 s, training from 924 s, ends
+    at 1124 s. On-demand: two nodes 600-912 s (624 node-s). Spot: 1150 node-s before, 2 x 12 for
+    the switch, 2 x 200 after: 1574 node-s. Plain spot ends at 1362 s, too late."""
+    j, events = job(), preempt(550.0, back=850.0)
+    up = outcome(j, Candidate(policy="every:100", nodes=2, capacity="uniform-progress"), events, deadline_s=1200.0)
+    assert up.switched_at_h == pytest.approx(600.0 / 3600)
+    assert up.hours == pytest.approx(1124.0 / 3600)
+    assert up.on_demand_node_hours == pytest.approx(624.0 / 3600)
+    assert up.spot_node_hours == pytest.approx(1574.0 / 3600)
+    assert up.dollars == pytest.approx(1574.0 / 3600 * 1.0 + 624.0 / 3600 * 3.0)
     spot = outcome(j, Candidate(policy="every:100", nodes=2), events)
     assert spot.hours == pytest.approx(1362.0 / 3600) and spot.hours > 1200.0 / 3600
 
