@@ -178,8 +178,8 @@ def run(a: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     """Add ``plan`` to ``cfdist``'s subcommands."""
     p = subparsers.add_parser("plan", help="what a run will cost on spot machines, and which settings make it cheapest",
-                              description="Evaluate checkpoint policy, tiers, peer copy, codecs, node count and "
-                                          "spot / on-demand / deadline-driven capacity with the failure simulator; "
+                              description="Evaluate checkpoint policy, tiers, peer copy, codecs, node count and\n"
+                                          "spot / on-demand / deadline-driven capacity with the failure simulator;\n"
                                           "print a table sorted by dollars and the recommended settings.",
                               epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
