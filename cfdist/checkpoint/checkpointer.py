@@ -351,10 +351,15 @@ class Checkpointer:
         The committing rank knows it from its own persists (after they are collected, at the
         next ``step``/``save``/``wait``) and restores; it publishes it through the store, where
         every other rank reads it (one round trip per read; :mod:`cfdist.checkpoint.latest`).
-        Training thread."""
+        A writer that does not commit (``writers="all"``/N) knows a step committed once its own
+        persist of it returned (the sliced commit's outcome), possibly before the committing
+        rank collected and published it: it reads the newer of the two. Training thread."""
         if self._commits or self._channel is None:
             return self._latest
-        return newest.read(self._channel, self._latest)
+        published = newest.read(self._channel, self._latest)
+        if self.writer and self._latest is not None and (published is None or self._latest > published):
+            return self._latest
+        return published
 
     @latest_step.setter
     def latest_step(self, step: int | None) -> None:

@@ -136,8 +136,16 @@ def _share_worker(rank, world, store_path, urls, out):
         res["restored"] = ckpt2.restore()
         res["bitexact"] = torch.equal(_flat(ddp2, opt2), torch.load(os.path.join(out, f"ref-{rank}.pt")))
         _train(ddp2, opt2, ckpt2, rank, 3, 2)             # and it goes on, writing slices again
-        ckpt2.save(block=True)
-        res["latest2"] = ckpt2.latest_step
+        # The committing rank (0) has not collected step 5's commit yet when the others read
+        # latest_step: they know it from their own persist's outcome (they read the store's
+        # stale 3 before, whenever rank 0 was slower to collect than they were to read)
+        h = ckpt2.save(block=rank != 0)
+        if rank != 0:
+            res["latest2"] = ckpt2.latest_step
+        dist.barrier()
+        if rank == 0:
+            h.wait()
+            res["latest2"] = ckpt2.latest_step
         ckpt2.close()
         dist.barrier()
     finally:
