@@ -101,9 +101,17 @@ class ExperimentConfig:
     """Mean seconds between failures of the job (the schedule's; ``auto-mtbf`` is told it). Keep
     it well above a recovery (restart + restore: 3-7 s on a laptop), or most failures hit a
     recovery and every policy crawls."""
-    schedule: Literal["fixed", "exponential"] = "fixed"
+    schedule: Literal["fixed", "exponential", "trace"] = "fixed"
     """Gaps between failures: exactly ``mtbf_s`` (a run of a few dozen seconds then sees a few
-    failures, whatever the seed), or exponential with mean ``mtbf_s``."""
+    failures, whatever the seed), exponential with mean ``mtbf_s``, or the preemptions of
+    ``trace`` (time-compressed by ``time_scale``; ``failures`` must then be ``"preempt"``)."""
+    trace: str | None = None
+    """With ``schedule="trace"``: a bundled trace's name (``bamboo-p3-trace.csv``) or a trace
+    file in any format ``cfdist plan`` reads; seed ``i`` starts ``i/8`` of the way through it
+    (:class:`cfdist.planner.failures.TraceFailures`), with every node up."""
+    time_scale: float = 1.0
+    """With a trace: schedule seconds per trace second (1/240: four trace minutes become a
+    second). ``notice_s`` stays in schedule seconds."""
     failures: Literal["mixed", "crash", "preempt"] = "mixed"
     """What fails: rank crashes, node preemptions, or both (each at half the rate)."""
     notice_s: float = 1.0
@@ -169,7 +177,18 @@ class ExperimentConfig:
         if not (isinstance(self.overhead_budget, (int, float)) and 0 < self.overhead_budget < 1):
             raise ValueError(f"ExperimentConfig.overhead_budget is a fraction in (0, 1), e.g. 0.035; "
                              f"got {self.overhead_budget!r}")
-        for name, allowed in (("schedule", ("fixed", "exponential")), ("failures", ("mixed", "crash", "preempt")),
+        if self.schedule == "trace":
+            if not (isinstance(self.trace, str) and self.trace):
+                raise ValueError("ExperimentConfig.schedule='trace' needs trace= (a bundled trace's name, e.g. "
+                                 "'bamboo-p3-trace.csv', or a trace file)")
+            if self.failures != "preempt":
+                raise ValueError(f"ExperimentConfig.schedule='trace' replays preemptions: set failures='preempt' "
+                                 f"(got {self.failures!r})")
+        elif self.trace is not None:
+            raise ValueError(f"ExperimentConfig.trace={self.trace!r} is used only with schedule='trace' "
+                             f"(got schedule={self.schedule!r})")
+        _number("time_scale", self.time_scale, hint=" (schedule seconds per trace second)")
+        for name, allowed in (("schedule", ("fixed", "exponential", "trace")), ("failures", ("mixed", "crash", "preempt")),
                               ("node_loss", ("drain", "remove"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ExperimentConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -198,13 +217,54 @@ def build_schedule(config: ExperimentConfig):
         return Exponential(gap, kind=kind, seed=seed, **extra)
 
     m = config.mtbf_s
-    if config.failures != "mixed":
+    if config.schedule == "trace":
+        sched = ScaledTrace.of(config)
+    elif config.failures != "mixed":
         sched = part(config.failures, m, config.seed, None)
     else:
         # Two independent halves: exponential rates add up to 1/mtbf; fixed ones alternate every mtbf.
         sched = Merged((part("crash", 2 * m, 2 * config.seed, m),
                         part("preempt", 2 * m, 2 * config.seed + 1, 2 * m)))
     return sched if config.max_scheduled is None else FirstFailures(sched, config.max_scheduled)
+
+
+@dataclass(frozen=True)
+class ScaledTrace:
+    """A trace's preemptions and returns as read by ``cfdist plan``
+    (:class:`~cfdist.planner.failures.TraceFailures`: one window of the trace per seed),
+    time-compressed by ``time_scale``. Pure. ``cfdist plan``'s prediction of an experiment
+    replays the same events (``bench/plan_vs_experiment.py``)."""
+
+    failures: object
+    """A :class:`~cfdist.planner.failures.TraceFailures` (notice in trace seconds)."""
+    time_scale: float
+    """Schedule seconds per trace second."""
+    seed: int = 0
+    """The trace window."""
+
+    @classmethod
+    def of(cls, config: ExperimentConfig) -> "ScaledTrace":
+        from cfdist.planner.failures import TraceFailures, resolve_trace
+
+        failures = TraceFailures(path=resolve_trace(config.trace), notice_s=config.notice_s / config.time_scale)
+        return cls(failures=failures, time_scale=config.time_scale, seed=config.seed)
+
+    def events(self, num_nodes: int, horizon_s: float) -> list[FailureEvent]:
+        c = self.time_scale
+        return [dataclasses.replace(e, time_s=e.time_s * c, notice_s=e.notice_s * c)
+                for e in self.failures.events(num_nodes, horizon_s / c, self.seed)]
+
+    def mtbf_s(self, num_nodes: int) -> float:
+        """Mean schedule seconds between the job's preemptions over the whole trace."""
+        return self.failures.mtbf_s(num_nodes) * self.time_scale
+
+    def max_nodes(self) -> int | None:
+        """The most VMs the trace holds at once (as ``cfdist plan``'s failures say it)."""
+        return self.failures.max_nodes()
+
+    @property
+    def label(self) -> str:
+        return f"{self.failures.label} x{self.time_scale:g}, window {self.seed % 8}/8"
 
 
 @dataclass(frozen=True)
@@ -247,7 +307,9 @@ def make_policy(spec: str, config: ExperimentConfig):
 
 
 def _spec_mtbf(spec: str, config: ExperimentConfig) -> float:
-    return float(spec.split(":")[1]) if ":" in spec else config.mtbf_s
+    if ":" in spec:
+        return float(spec.split(":")[1])
+    return ScaledTrace.of(config).mtbf_s(config.num_nodes) if config.schedule == "trace" else config.mtbf_s
 
 
 def sim_policy(spec: str, config: ExperimentConfig, k: int | None) -> SimPolicy:
@@ -305,8 +367,7 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
     try:
         for i, (name, spec) in enumerate(plan, 1):
             cap = f", the first {config.max_scheduled}" if config.max_scheduled else ""
-            what = "no failures" if spec is None else (
-                f"{config.failures} failures every ~{config.mtbf_s:g}s ({config.schedule}{cap})")
+            what = "no failures" if spec is None else f"{_failures_text(config)}{cap}"
             steps = config.steps if spec is not None else (config.baseline_steps or config.steps)
             log(f"[{i}/{len(plan)}] {name}: {steps} steps, {what}")
             t = time.perf_counter()
@@ -419,7 +480,14 @@ def analyse(config: ExperimentConfig, schedule, logs: dict, out: str) -> Experim
 def _title(c: ExperimentConfig) -> str:
     notice = f", {c.notice_s:g}s notice" if c.failures != "crash" and c.notice_s else ""
     return (f"{c.num_nodes} nodes x {c.workers_per_node} rank, {c.steps} steps ({c.epoch_steps}/epoch), "
-            f"{c.failures} failures every ~{c.mtbf_s:g}s{notice}, {c.state_mb:g} MiB state per checkpoint")
+            f"{_failures_text(c)}{notice}, {c.state_mb:g} MiB state per checkpoint")
+
+
+def _failures_text(c: ExperimentConfig) -> str:
+    if c.schedule == "trace":
+        return (f"preemptions of {os.path.basename(c.trace)} x{c.time_scale:g} (every ~"
+                f"{ScaledTrace.of(c).mtbf_s(c.num_nodes):.3g}s, window {c.seed % 8}/8)")
+    return f"{c.failures} failures every ~{c.mtbf_s:g}s ({c.schedule})"
 
 
 # ---------------------------------------------------------------------------------- CLI ---
@@ -438,7 +506,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=d.num_nodes, help="nodes (default %(default)s)")
     p.add_argument("--workers-per-node", type=int, default=d.workers_per_node, help="ranks per node (default %(default)s)")
     p.add_argument("--mtbf-s", type=float, default=d.mtbf_s, help="mean seconds between failures (default %(default)s)")
-    p.add_argument("--schedule", choices=["fixed", "exponential"], default=d.schedule, help="failure gaps")
+    p.add_argument("--schedule", choices=["fixed", "exponential", "trace"], default=d.schedule,
+                   help="failure gaps (trace: the preemptions of --trace)")
+    p.add_argument("--trace", default=None, metavar="NAME|PATH",
+                   help="with --schedule trace: a bundled trace (bamboo-p3-trace.csv, ...) or a trace file")
+    p.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="with a trace: schedule seconds per trace second (default %(default)s)")
     p.add_argument("--failures", choices=["mixed", "crash", "preempt"], default=d.failures, help="what fails")
     p.add_argument("--notice-s", type=float, default=d.notice_s, help="preemption notice, s (default %(default)s)")
     p.add_argument("--return-after-s", type=float, default=d.return_after_s,
@@ -462,7 +535,8 @@ def config_from_args(a: argparse.Namespace) -> ExperimentConfig:
     return ExperimentConfig(
         out_dir=a.out, policies=tuple(a.policies), steps=a.steps, epoch_steps=a.epoch_steps, step_s=a.step_s,
         state_mb=a.state_mb, num_nodes=a.nodes, workers_per_node=a.workers_per_node, mtbf_s=a.mtbf_s,
-        schedule=a.schedule, failures=a.failures, notice_s=a.notice_s, return_after_s=a.return_after_s,
+        schedule=a.schedule, trace=a.trace, time_scale=a.time_scale,
+        failures="preempt" if a.schedule == "trace" else a.failures, notice_s=a.notice_s, return_after_s=a.return_after_s,
         seed=a.seed, max_scheduled=a.max_scheduled, overhead_budget=a.budget, baseline=not a.no_baseline,
         baseline_steps=a.baseline_steps, node_loss=a.node_loss,
         ray_address=a.address or os.environ.get("RAY_ADDRESS") or None, max_failures=a.max_failures,

@@ -32,6 +32,10 @@ from cfdist.chaos.simulator import EpochBoundary, FixedK
     (dict(max_scheduled=0), "max_scheduled must be an int >= 1"),
     (dict(baseline_steps=1), "baseline_steps must be an int >= 3"),
     (dict(num_nodes=0), "num_nodes must be an int >= 1"),
+    (dict(schedule="trace", failures="preempt"), "needs trace="),
+    (dict(schedule="trace", trace="bamboo-p3-trace.csv"), "set failures='preempt'"),
+    (dict(trace="bamboo-p3-trace.csv"), "only with schedule='trace'"),
+    (dict(schedule="trace", trace="bamboo-p3-trace.csv", failures="preempt", time_scale=0), "time_scale must be"),
 ])
 def test_config_refuses_what_cannot_run_and_says_why(kw, phrase):
     with pytest.raises(ValueError, match=None) as e:
@@ -47,6 +51,23 @@ def test_mixed_fixed_schedule_alternates_crash_and_preemption_and_can_be_capped(
     assert all(e.notice_s == 0.5 for e in evs if e.kind == "preempt")
     capped = build_schedule(ExperimentConfig(mtbf_s=5.0, schedule="fixed", max_scheduled=2)).events(2, 100.0)
     assert [(e.time_s, e.kind) for e in capped] == [(5.0, "crash"), (10.0, "preempt"), (10.0, "return")]
+
+
+def test_a_trace_schedule_is_cfdist_plans_reading_of_the_trace_time_compressed():
+    """The experiment replays exactly the events ``cfdist plan`` simulates for the same trace
+    window (so a plan can be checked against the run), times and notices scaled."""
+    from cfdist.planner import TraceFailures, resolve_trace
+
+    c = ExperimentConfig(schedule="trace", trace="bamboo-g4dn-trace.csv", failures="preempt", time_scale=1 / 180,
+                         notice_s=0.5, seed=3)
+    got = build_schedule(c).events(2, 40.0)
+    want = TraceFailures(path=resolve_trace("bamboo-g4dn-trace.csv"), notice_s=0.5 * 180).events(2, 40.0 * 180, 3)
+    assert got and [(e.kind, e.node) for e in got] == [(e.kind, e.node) for e in want]
+    assert [e.time_s for e in got] == pytest.approx([e.time_s / 180 for e in want])
+    assert all(e.notice_s == pytest.approx(0.5) for e in got if e.kind == "preempt")
+    assert all(e.time_s < 40.0 for e in got)
+    mtbf = TraceFailures(path=resolve_trace("bamboo-g4dn-trace.csv")).mtbf_s(2) / 180
+    assert make_policy("auto-mtbf", c).mtbf_s == pytest.approx(mtbf)   # auto-mtbf is told the trace's MTBF
 
 
 def test_first_failures_drops_the_return_of_a_dropped_preemption():
