@@ -46,10 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     job.add_argument("--ref-nodes", type=int, help="nodes --iter-s was measured on (default 1; the log's)")
     job.add_argument("--ranks-per-node", type=int, help="ranks per node (default 1; the log's)")
     job.add_argument("--scaling", type=float, help="iter_s(n) = iter_s * (ref/n) ** scaling (default 1)")
-    for name, what in (("stall-s", "training blocked per checkpoint"), ("persist-s", "commit to node-local disk"),
-                       ("restore-s", "loading a checkpoint"), ("restart-s", "restarting the group (default 60)"),
+    for name, what in (("stall-s", "training blocked per checkpoint (default 0)"),
+                       ("persist-s", "commit to node-local disk (default: state / --local-mbps)"),
+                       ("restore-s", "loading a checkpoint (default: state / --local-mbps)"),
+                       ("restart-s", "restarting the group (default 60)"),
                        ("detect-s", "noticing a failure (default 10)")):
         job.add_argument(f"--{name}", type=float, help=f"seconds: {what}")
+    job.add_argument("--local-mbps", type=float, help="node-local disk bandwidth, MB/s (default 2000)")
     job.add_argument("--shared-mbps", type=float, help="shared storage bandwidth, MB/s (default 200)")
     job.add_argument("--peer-mbps", type=float, help="node-to-node copy bandwidth, MB/s (default 1000)")
     f = p.add_argument_group("failures (one of --trace, --rate)")
@@ -110,6 +113,7 @@ def job_from_args(a: argparse.Namespace):
         ref_nodes=a.ref_nodes, ranks_per_node=a.ranks_per_node, scaling=a.scaling, stall_s=a.stall_s,
         persist_s=a.persist_s, restore_s=a.restore_s, restart_s=a.restart_s, detect_s=a.detect_s,
         shared_bytes_per_s=a.shared_mbps * 1e6 if a.shared_mbps is not None else None,
+        local_bytes_per_s=a.local_mbps * 1e6 if a.local_mbps is not None else None,
         peer_bytes_per_s=a.peer_mbps * 1e6 if a.peer_mbps is not None else None).items() if v is not None}
     if a.nodes:
         given["nodes"] = tuple(a.nodes)

@@ -46,14 +46,20 @@ class Job:
     (1: perfect strong scaling of a fixed global batch; 0: no speed-up)."""
     stall_s: float = 0.0
     """Seconds training is blocked per checkpoint (measured: ``Costs.stall_s``)."""
-    persist_s: float = 0.0
-    """Checkpoint start to commit on node-local storage, seconds."""
-    restore_s: float = 0.0
-    """Loading a checkpoint from node-local storage into a restarted group, seconds."""
+    persist_s: float | None = None
+    """Checkpoint start to commit on node-local storage, seconds. None (not measured, not
+    given): ``state_bytes / local_bytes_per_s``."""
+    restore_s: float | None = None
+    """Loading a checkpoint from node-local storage into a restarted group, seconds. None:
+    ``state_bytes / local_bytes_per_s``."""
     restart_s: float = 60.0
     """Starting the worker group again once its nodes are up, seconds (default: an assumption)."""
     detect_s: float = 10.0
     """Failure until the controller notices it, seconds (default: an assumption)."""
+    local_bytes_per_s: float = 2e9
+    """Node-local disk bandwidth (an NVMe SSD: 2 GB/s), for ``persist_s`` and ``restore_s``
+    when neither a measurement nor the caller gives them: a plan for a 20 GB state must not
+    assume its checkpoints are free (``Auto`` would checkpoint every step)."""
     shared_bytes_per_s: float = 200e6
     """Bandwidth to and from shared storage (uploads and a replacement node's download)."""
     peer_bytes_per_s: float = 1e9
@@ -73,10 +79,13 @@ class Job:
                 raise ValueError(f"Job.{name} must be an int >= 1, got {v!r}")
         if not (isinstance(self.scaling, (int, float)) and 0 <= self.scaling <= 1):
             raise ValueError(f"Job.scaling must be in [0, 1] (1: perfect strong scaling), got {self.scaling!r}")
+        for name in ("shared_bytes_per_s", "peer_bytes_per_s", "local_bytes_per_s"):
+            _num(name, getattr(self, name), positive=True, hint=" bytes per second")
+        for name in ("persist_s", "restore_s"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.state_bytes / self.local_bytes_per_s)
         for name in ("stall_s", "persist_s", "restore_s", "restart_s", "detect_s"):
             _num(name, getattr(self, name), hint=" seconds")
-        for name in ("shared_bytes_per_s", "peer_bytes_per_s"):
-            _num(name, getattr(self, name), positive=True, hint=" bytes per second")
 
     def iter_s_on(self, nodes: int) -> float:
         """Seconds per step on ``nodes`` nodes (the ``scaling`` rule)."""

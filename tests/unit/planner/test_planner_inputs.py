@@ -182,3 +182,15 @@ def test_job_from_bench(tmp_path):
     assert j.persist_s == pytest.approx(0.3) and j.restore_s == pytest.approx(0.6)
     with pytest.raises(ValueError, match="no 'none' runs or no 'dcp' runs"):
         Job.from_bench(str(path), steps=100, method="dcp")
+
+
+def test_a_job_given_by_hand_pays_for_its_checkpoint_bytes():
+    """Without a measurement, persist and restore follow the state size and the local disk's
+    bandwidth (a 20 GB state at 2 GB/s: 10 s each), so ``auto`` does not checkpoint a 20 GB
+    state every step; what is given or measured wins."""
+    j = Job(iter_s=1.0, steps=100, state_bytes=20 * 10**9)
+    assert (j.persist_s, j.restore_s) == (pytest.approx(10.0), pytest.approx(10.0))
+    slow = Job(iter_s=1.0, steps=100, state_bytes=20 * 10**9, local_bytes_per_s=500e6, restore_s=3.0)
+    assert (slow.persist_s, slow.restore_s) == (pytest.approx(40.0), 3.0)
+    with pytest.raises(ValueError, match="local_bytes_per_s must be a finite number > 0"):
+        Job(iter_s=1.0, steps=100, state_bytes=1, local_bytes_per_s=0)
