@@ -745,7 +745,16 @@ class Checkpointer:
             return
         self._stats["io"] = getattr(info, "io", None)
         self._stats["files_reused"] += getattr(info, "reused", 0)
-        self.latest_step = info.step
+        try:
+            self.latest_step = info.step
+        except (RuntimeError, OSError) as e:   # c10d's DistNetworkError is a RuntimeError
+            # The step is committed; only telling the other ranks failed: the job's store is
+            # gone when the process hosting it (rank 0, under torchrun) ended first at the end
+            # of a run. Failing here made this rank exit 1 after a clean run, and torchrun's
+            # agents then waited for each other until their exit barrier timed out.
+            log.warning("step %d is committed, but publishing it to the job's store as the newest failed "
+                        "(%s: %s); the other ranks' latest_step may lag behind it", info.step,
+                        type(e).__name__, e)
         self._rolled_back = {}   # recorded by that commit's retention
         self._stats["checkpoints"] += 1
         self._stats["persist_s"] += info.seconds
