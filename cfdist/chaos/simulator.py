@@ -100,8 +100,10 @@ def failure_aware_k(
 # ------------------------------------------------------------------------------ config ---
 
 
-def _check(owner: str, name: str, value: float, *, positive: bool = False, hint: str = "") -> None:
-    ok = isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+def check_number(owner: str, name: str, value: float, *, positive: bool = False, hint: str = "") -> None:
+    """``owner.name`` is a finite number (not a bool) >= 0, or > 0 with ``positive``; else ValueError."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > 0 if positive else value >= 0)
     if not ok:
         raise ValueError(f"{owner}.{name} must be a finite number {'> 0' if positive else '>= 0'}{hint}, got {value!r}")
 
@@ -135,12 +137,12 @@ class Costs:
     see the node go (cfdist's controller does); None: 0, the notice is the detection."""
 
     def __post_init__(self) -> None:
-        _check("Costs", "iter_s", self.iter_s, positive=True, hint=" (seconds per iteration)")
+        check_number("Costs", "iter_s", self.iter_s, positive=True, hint=" (seconds per iteration)")
         for name in ("stall_s", "snapshot_s", "persist_s", "restore_s", "restart_s", "detect_s"):
-            _check("Costs", name, getattr(self, name), hint=" seconds")
+            check_number("Costs", name, getattr(self, name), hint=" seconds")
         for name in ("preempt_restart_s", "scratch_restore_s", "notice_detect_s"):
             if getattr(self, name) is not None:
-                _check("Costs", name, getattr(self, name), hint=" seconds, or None")
+                check_number("Costs", name, getattr(self, name), hint=" seconds, or None")
 
     @property
     def commit_s(self) -> float:
@@ -218,7 +220,7 @@ class FailureAware:
     def __post_init__(self) -> None:
         _check_budget("FailureAware", self.overhead_budget)
         if self.mtbf_s is not None:
-            _check("FailureAware", "mtbf_s", self.mtbf_s, positive=True, hint=" seconds, or None")
+            check_number("FailureAware", "mtbf_s", self.mtbf_s, positive=True, hint=" seconds, or None")
 
     @property
     def name(self) -> str:

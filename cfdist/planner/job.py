@@ -9,20 +9,12 @@ each candidate (:mod:`cfdist.planner.model`).
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from dataclasses import dataclass
 
 from cfdist.chaos.calibrate import iteration_time, measure_costs, training_window, window_metrics
 from cfdist.chaos.metrics import read_event_log
-from cfdist.chaos.simulator import Costs
-
-
-def _num(name: str, value, *, positive: bool = False, hint: str = "") -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > 0 if positive else value >= 0)
-    if not ok:
-        raise ValueError(f"Job.{name} must be a finite number {'> 0' if positive else '>= 0'}{hint}, got {value!r}")
+from cfdist.chaos.simulator import Costs, check_number
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +58,7 @@ class Job:
     """Bandwidth of a node-to-node copy (a replacement node gets a survivor's checkpoint)."""
 
     def __post_init__(self) -> None:
-        _num("iter_s", self.iter_s, positive=True, hint=" (seconds per step)")
+        check_number("Job", "iter_s", self.iter_s, positive=True, hint=" (seconds per step)")
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
             raise ValueError(f"Job.steps must be an int >= 1 (steps to train), got {self.steps!r}")
         if not isinstance(self.state_bytes, int) or self.state_bytes < 0:
@@ -80,12 +72,12 @@ class Job:
         if not (isinstance(self.scaling, (int, float)) and 0 <= self.scaling <= 1):
             raise ValueError(f"Job.scaling must be in [0, 1] (1: perfect strong scaling), got {self.scaling!r}")
         for name in ("shared_bytes_per_s", "peer_bytes_per_s", "local_bytes_per_s"):
-            _num(name, getattr(self, name), positive=True, hint=" bytes per second")
+            check_number("Job", name, getattr(self, name), positive=True, hint=" bytes per second")
         for name in ("persist_s", "restore_s"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.state_bytes / self.local_bytes_per_s)
         for name in ("stall_s", "persist_s", "restore_s", "restart_s", "detect_s"):
-            _num(name, getattr(self, name), hint=" seconds")
+            check_number("Job", name, getattr(self, name), hint=" seconds")
 
     def iter_s_on(self, nodes: int) -> float:
         """Seconds per step on ``nodes`` nodes (the ``scaling`` rule)."""
