@@ -39,8 +39,13 @@ class Indexed(torch.utils.data.Dataset):
         return self.x[i], self.y[i], i
 
 
-def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: float = 0.05):
-    """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state."""
+def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: float = 0.05,
+               hold_small: tuple[int, int, str] | None = None):
+    """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state.
+
+    ``hold_small=(world_size, step, event_log)``: a group of that world size does not train past
+    ``step`` until the driver logged its decision to grow (a node that returns takes seconds to
+    start; without the hold, a slow machine ends the run before the group can grow)."""
     import cfdist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -62,10 +67,29 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
             log.flush()
             ctx.report(step_rank=ctx.rank)
             time.sleep(step_sleep_s)
+            if hold_small is not None and ctx.world_size == hold_small[0] and ckpt.step_count == hold_small[1]:
+                _wait_for_decision(hold_small[2], "grow_at_next_checkpoint")
             if ckpt.step_count >= steps:
                 break
     log.close()
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def _wait_for_decision(event_log: str, what: str, timeout_s: float = 180.0) -> None:
+    def decided():
+        if not os.path.exists(event_log):
+            return False
+        with open(event_log) as f:
+            for line in f:
+                if line.strip().endswith("}"):
+                    rec = json.loads(line)
+                    if rec.get("event") == "decision" and rec.get("what") == what:
+                        return True
+        return False
+    try:
+        wait_for(decided, timeout_s, every_s=0.1)
+    except TimeoutError:
+        raise TimeoutError(f"the driver logged no {what!r} decision in {event_log} within {timeout_s:.0f} s") from None
 
 
 def check_exactly_once(out_dir: str, final_step: int) -> dict[int, int]:

@@ -43,10 +43,11 @@ STEPS = 24          # 3 epochs of 8 steps with 2 ranks
 EVERY = 4
 
 
-def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, **kw):
+def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, hold_small=None, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
-    loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s)
+    loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s,
+                             hold_small=hold_small)
     result = fit(loop,
                  num_nodes=num_nodes, workers_per_node=1, storage=f"file://{tmp}/{{node}}/local",
                  policy=Every(EVERY), preemption=schedule, run_name=name,
@@ -146,8 +147,10 @@ def test_elastic_shrink_then_grow_keeps_data_exactly_once(fake_cluster, tmp_path
     when a node returns, the group grows back to 2 at the next checkpoint. Every sample is used
     exactly once per epoch across both world-size changes."""
     fake_cluster.ensure_workers(2)
+    # The one-node group waits at step 16 for the driver's decision to grow (the returned node
+    # starts in seconds, more on a loaded machine), then grows at its next checkpoint.
     result, out = _fit(fake_cluster, tmp_path, "elastic", remove_node=fake_cluster.remove_node,
-                       steps=40, step_sleep_s=0.15,
+                       steps=40, step_sleep_s=0.05, hold_small=(1, 16, str(tmp_path / "elastic.jsonl")),
                        add_node=lambda slot: fake_cluster.add_node(),
                        schedule=StepSchedule([AtStep(step=6, kind="preempt", node=1),
                                               AtStep(step=12, kind="return", node=1)]))
