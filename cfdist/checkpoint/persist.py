@@ -537,10 +537,13 @@ class FuturePending:
         this backend cannot give writes up."""
         if self._gate is None or not self._gate.abandon():
             return False
-        with self._lock:   # the waiter and the pipeline may both give it up: tell the backend once
+        # The waiter and the pipeline may both give it up: the backend is told once, and neither
+        # returns before it reacted (a fresh writer in place). Otherwise the pipeline, returning
+        # first, hands its next job to the writer being replaced, which then dies with it.
+        with self._lock:
             first, self._abandoned = not self._abandoned, True
-        if first and self._on_abandon is not None:
-            self._on_abandon(self)
+            if first and self._on_abandon is not None:
+                self._on_abandon(self)
         return True
 
 

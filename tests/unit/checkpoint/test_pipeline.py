@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -82,6 +83,43 @@ def test_handles_are_given_up_while_running_and_queued_and_the_next_ones_go_on()
     b.go[1].set()                                        # the late writer of step 1 wakes up
     assert b.abandoned == [1]                            # the backend was told once
     assert h1.gate.abandoned() and not h1.gate.claim()   # and it cannot commit
+    pipe.close()
+
+
+class ReplacingBackend(HeldBackend):
+    """Giving a write up replaces the writer, slowly (a writer process starts); a write handed
+    to the writer being replaced dies with it."""
+
+    def __init__(self):
+        super().__init__()
+        self.writer = 0
+        self.handed: dict[int, int] = {}   # step -> the writer it was handed to
+
+    def submit(self, job: PersistJob):
+        self.handed[job.step] = self.writer
+        p = super().submit(job)
+        p._on_abandon = self._replace
+        return p
+
+    def _replace(self, p: FuturePending) -> None:
+        time.sleep(0.5)
+        self.writer += 1
+
+
+def test_the_next_persist_goes_to_the_fresh_writer_when_the_waiter_gave_the_last_one_up():
+    """The training thread gives step 1 up (its timeout) while the pipeline waits on the write;
+    the pipeline moves on to step 2 only once the backend replaced the writer. Before, step 2
+    went to the old writer process, killed a moment later (BrokenProcessPool, step 2 lost)."""
+    b = ReplacingBackend()
+    pipe = PersistPipeline(b)
+    h1, h2 = pipe.submit(_job(1)), pipe.submit(_job(2))
+    _wait(b.started.setdefault(1, threading.Event()), "step 1's write starting")
+    assert h1.abandon()                                  # as Checkpointer's timeout does, off the pipeline thread
+    _wait(b.started.setdefault(2, threading.Event()), "step 2's write starting after 1 was given up")
+    assert b.handed == {1: 0, 2: 1}, b.handed            # step 2 went to the replacement
+    b.go.setdefault(2, threading.Event()).set()
+    assert h2.wait(30).step == 2
+    b.go[1].set()
     pipe.close()
 
 
