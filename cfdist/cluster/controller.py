@@ -157,7 +157,10 @@ class Controller:
         try:
             group = self.backend.start_group(chosen, choice, self.attempt, self._dead_pids)
         except Exception as e:  # noqa: BLE001 - a group that cannot start is a failure like any other
-            failure = Failure(kind="error", step=self.step_now, message=f"starting the group failed: {e}",
+            log.warning("attempt %d: starting the group failed", self.attempt, exc_info=e)
+            cause = e.__cause__ or e.__context__   # e.g. SystemError "... returned a result with an exception set"
+            why = f"{type(e).__name__}: {e}" + (f" (from {type(cause).__name__}: {cause})" if cause is not None else "")
+            failure = Failure(kind="error", step=self.step_now, message=f"starting the group failed: {why}",
                               failed_at=self.clock(), detected_at=self.clock())
             return self._tolerate(failure, None)
         now = self.clock()

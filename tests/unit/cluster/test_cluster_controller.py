@@ -296,3 +296,28 @@ def test_unknown_holdings_are_asked_again_not_taken_for_an_empty_disk():
     drive(ctl2)
     assert isinstance(ctl2.state, FailedState) and "never answers" in str(ctl2.state.error)
     assert be2.groups == []
+
+
+def test_a_group_that_cannot_start_is_a_failure_named_with_its_cause_and_the_run_goes_on(caplog):
+    """start_group raises an error chained to another (a C call's SystemError "returned a result
+    with an exception set" carries the real one as its cause): the failure's message names both,
+    the traceback is logged, and the next attempt starts."""
+    clock = Clock()
+
+    class FailsOnce(FakeBackend):
+        def start_group(self, nodes, choice, attempt, dead_pids):
+            if attempt == 0:   # the first attempt
+                try:
+                    raise ConnectionError("the raylet refused the lease")
+                except ConnectionError as cause:
+                    raise SystemError("<built-in method __new__> returned a result with an exception set") from cause
+            return super().start_group(nodes, choice, attempt, dead_pids)
+
+    be = FailsOnce(N[:2], [[GroupStatus(finished=True, results={0: {"final_step": 0, "value": "v"}})]])
+    ctl, ev = make(be, clock)
+    with caplog.at_level("WARNING", logger="cfdist.controller"):
+        drive(ctl)
+    assert isinstance(ctl.state, FinishedState) and ctl.num_failures == 1
+    (d,) = [e for e in ev.of("decision") if e["what"] == "failure"]
+    assert "SystemError" in d["message"] and "ConnectionError: the raylet refused the lease" in d["message"], d
+    assert any(r.exc_info and r.exc_info[0] is SystemError for r in caplog.records), caplog.records
