@@ -60,7 +60,8 @@ def fit(train_loop: Callable[[TrainContext], object], *, storage, num_nodes: int
         shared_storage: durable tier every node can reach (``s3://``, ``gs://``, NFS), optional.
         policy: when to checkpoint (``cfdist.Every(k)``, ``cfdist.Auto()`` - the default).
         preemption: a failure schedule to inject (``cfdist.chaos.FixedInterval(...)``,
-            ``cfdist.cluster.injector.StepSchedule([...])``); None: no injected failures.
+            ``cfdist.cluster.injector.StepSchedule([...])``); None: no injected failures. A
+            time schedule's clock starts when the first group has trained its first step.
         use_gpu: one GPU per rank, NCCL; otherwise CPU and gloo.
         cpus_per_worker: Ray CPUs reserved per rank (0 allowed: ranks are then placed by node
             affinity only).

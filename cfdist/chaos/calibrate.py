@@ -7,7 +7,8 @@ failure schedule and keeps each run's JSONL event log. This module turns those l
   to its last step. Start-up (Ray actors, building the model) and tear-down are per-job
   constants, not what failures cost; leaving them out of both the measurement and the
   prediction keeps the comparison about failures. The window's offset from the failure
-  injector's time 0 (the first group running) shifts the schedule onto the window;
+  injector's time 0 (its ``schedule_started`` record: the first group trained its first step;
+  the first ``restarted`` in logs from before it) shifts the schedule onto the window;
 - **the costs** the simulator needs (:func:`measure_costs`) from one run or pooled over several:
   iteration time, stall per checkpoint, commit latency, detect, restart and restore seconds;
 - **the prediction** of each run (:func:`predict`): the simulator replays the same schedule for
@@ -36,10 +37,15 @@ def training_window(records: Sequence[dict]) -> tuple[list[dict], float]:
     The first step starts one iteration (the median step gap) before its record. A ``start``
     record at that instant and an ``end`` record at the last step are added, so
     :func:`~cfdist.chaos.metrics.metrics_from_log` measures exactly this window. ``offset_s``:
-    seconds from the first ``restarted`` (the injector's time 0) to the window's start; subtract
+    seconds from the injector's time 0 to the window's start; subtract
     it from the schedule's times. Raises ValueError when the run never trained.
+
+    The injector's time 0 is its ``schedule_started`` record (logs written before it existed:
+    the first ``restarted``); it comes just after the first step, so the offset is then a
+    fraction of a step below zero.
     """
     zero = next((i for i, r in enumerate(records) if r["event"] == "restarted"), None)
+    started = next((r["t"] for r in records if r["event"] == "schedule_started"), None)
     first = next((i for i, r in enumerate(records) if r["event"] == "step"), None)
     last = max((i for i, r in enumerate(records) if r["event"] == "step"), default=None)
     if zero is None or first is None or first < zero:
@@ -51,7 +57,7 @@ def training_window(records: Sequence[dict]) -> tuple[list[dict], float]:
     start = {"t": t0, "event": "start", **({"world_size": world} if world else {})}
     body = [r for r in records[zero:last + 1] if r["event"] not in ("start", "end") and r["t"] >= t0]
     end = {"t": records[last]["t"], "event": "end", "step": records[last]["step"]}
-    return [start, *body, end], t0 - records[zero]["t"]
+    return [start, *body, end], t0 - (records[zero]["t"] if started is None else started)
 
 
 def step_gap_spans(records: Sequence[dict]) -> list[tuple[float, float]]:

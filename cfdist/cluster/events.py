@@ -18,7 +18,8 @@ The phases of a recovery: detect (``failure`` to ``detected``), restart (``detec
 spares, and ``rendezvous_s`` the process group), restore (``restarted`` to ``restored``), first
 step (``restored`` to ``resumed``); ``resumed.recovery_s`` is the failure to the first step.
 
-Extra records (``decision``, ``notice``, ``resize``) carry the controller's decisions with their
+Extra records (``decision``, ``notice``, ``resize``, ``schedule_started``: a failure schedule's
+time 0, the first trained step) carry the controller's decisions with their
 inputs; ``checkpoint_failed`` (``step``, ``errors``, ``error``) says a persist of rank 0 failed
 while training went on; readers ignore unknown events. ``t`` is ``time.time()`` and never decreases within a
 log (a record stamped earlier than its predecessor is written with the predecessor's ``t``).

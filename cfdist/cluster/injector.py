@@ -2,7 +2,10 @@
 
 The schedule is pure (``schedule.events(num_nodes, horizon_s)``); this is the thin shell that
 turns its events into real failures, on the controller's thread (``tick`` is called at the top
-of every ``Controller.step``). Time 0 is when the first worker group starts running.
+of every ``Controller.step``). Time 0 is when the first worker group has trained its first step
+(logged as ``schedule_started``): starting the processes, building the model and restoring take
+as long as the machine makes them take, and a schedule counted from before them would land its
+failures at different points of training on a loaded machine than on an idle one.
 
 * ``crash`` (rank r): the rank's actor process is killed (``ray.kill``: the process exits at
   once, like a segfault or an OOM kill). Skipped while no group runs.
@@ -135,9 +138,10 @@ class FailureInjector:
 
         running = isinstance(controller.state, RunningState)
         if self.t0 is None:
-            if not running:
+            if not running or controller.step_now <= getattr(controller, "_attempt_base", -1):
                 return
             self.t0 = self.clock()
+            controller.events.emit("schedule_started", step=controller.step_now, t=self.t0)
         now = self.clock() - self.t0
         if self.by_step:
             return self._tick_steps(controller)

@@ -20,7 +20,8 @@ simulated, lost work per failure, recovery time by phase).
 
 Without ``ray_address`` (and with no Ray initialised in the process) the runs use a fake
 ``num_nodes``-node cluster on this machine (:class:`~cfdist.cluster.local_cluster.LocalCluster`),
-started once for all runs. The schedule's clock starts when a run's first worker group runs.
+started once for all runs. The schedule's clock starts when a run's first worker group has
+trained its first step.
 
 This module is an entry point: it imports :func:`cfdist.fit` (and so Ray) lazily, inside
 :func:`run_experiment`; its pure parts live in :mod:`~cfdist.chaos.calibrate` and

@@ -28,6 +28,18 @@ def test_training_window_starts_with_the_first_step_and_ends_with_the_last():
     assert m.useful_iters == 20 and m.wall_s == pytest.approx(2.0) and m.goodput == pytest.approx(1.0)
 
 
+def test_the_window_offset_counts_from_the_schedules_start_when_the_log_has_it():
+    log = _started(setup=1.0).run(2)
+    log.at(0.02, "schedule_started", step=2)   # the injector's clock starts after the first step(s)
+    log.run(18)
+    recs = parse_event_log(__import__("json").dumps(r) for r in log.recs)
+    started = next(r["t"] for r in recs if r["event"] == "schedule_started")
+    window, offset = training_window(recs)
+    # the window starts one iteration before the first step record; the schedule's time 0 is
+    # 0.02 s after the second step record: the offset is negative, and shifts events later
+    assert window[0]["t"] - started == pytest.approx(offset) and offset == pytest.approx(-(0.1 + 0.1 + 0.02))
+
+
 def test_a_run_that_never_trained_has_no_window():
     with pytest.raises(ValueError, match="never trained"):
         training_window([{"t": 0.0, "event": "start"}, {"t": 1.0, "event": "end", "step": 0}])

@@ -77,12 +77,13 @@ def _setup(events, **kw):
         now[0] = 100.0 + t
         inj.tick(ctl)
 
-    at(0.0)   # t0: the first tick while a group runs
+    at(0.0)   # t0: the first tick while a group runs and has trained a step
+    assert [r["event"] for r in ctl.events.records] == ["schedule_started"]
     return inj, ctl, group, backend, at
 
 
 def _kinds(ctl):
-    return [r["event"] for r in ctl.events.records]
+    return [r["event"] for r in ctl.events.records if r["event"] != "schedule_started"]
 
 
 def test_crash_notice_preempt_and_return_happen_when_scheduled(killed):

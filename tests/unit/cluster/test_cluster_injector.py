@@ -110,16 +110,24 @@ def test_preempt_uses_the_callbacks_when_given():
     assert removed == ["id0"] and added == [0]
 
 
-def test_time_schedule_starts_when_the_group_runs_and_holds_crashes_until_a_group_runs():
+def test_time_schedule_starts_at_the_first_trained_step_and_holds_crashes_until_a_group_runs():
     clock = Clock()
     ctl = Ctl(clock)
+    ctl._attempt_base = 0
     ctl.state = RecoveringState()
     inj = FailureInjector(FixedInterval(10.0, kind="crash", ranks_per_node=1, seed=0), num_nodes=2,
                           backend=Backend(), clock=clock, horizon_s=35)
-    clock.t = 100.0
+    clock.t = 80.0
     inj.tick(ctl)                  # not running yet: the clock has not started
     ctl.state = RunningState(ctl.group)
-    inj.tick(ctl)                  # t0 = 100
+    clock.t = 95.0
+    inj.tick(ctl)                  # running, no step trained yet (a slow start): still not started
+    assert inj.t0 is None and not ctl.events.of("schedule_started")
+    ctl.step_now = 1
+    clock.t = 100.0
+    inj.tick(ctl)                  # t0 = 100: the first step
+    (started,) = ctl.events.of("schedule_started")
+    assert inj.t0 == 100.0 and started["t"] == 100.0 and started["step"] == 1
     clock.t = 109.0
     inj.tick(ctl)
     assert ctl.group.crashed == []
