@@ -82,18 +82,48 @@ class _Watcher:
         assert self.fired.is_set(), f"the watcher for {self.fn} neither fired nor timed out"
 
 
+def _interrupt(main: int, sig: int, handled: threading.Event, *, timeout: float = 60.0) -> None:
+    """Send ``sig`` to the main thread until its Python handler ran (``handled``).
+
+    One signal is not enough: the main thread is seen blocked at the line of the lock's
+    ``acquire`` a moment before the C call blocks; a signal landing in that moment only marks
+    the handler as pending, the blocking call then starts anyway and is never interrupted, and
+    the test hung until the suite's timeout (1 run in ~25 under load). A second signal
+    interrupts the blocked call; signals that arrive before the handler runs are coalesced into
+    one call of it, and the handlers of :func:`handled` ignore one that lands after they ran,
+    so the main thread sees exactly one exception."""
+    deadline = time.monotonic() + timeout
+    while not handled.is_set():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"signal {sig} sent to the main thread for {timeout:.0f} s; its handler never ran")
+        signal.pthread_kill(main, sig)
+        handled.wait(0.05)
+
+
 @pytest.fixture
-def sigterm_exits():
-    """A preemption handler as users write it: SIGTERM raises SystemExit in the main thread."""
-    def handler(signum, frame):
-        raise SystemExit(143)
+def handled():
+    """Ctrl-C and a preemption handler as users write it (SIGTERM raises SystemExit), each
+    recording that it ran (:func:`_interrupt` resends until it did) and raising once: the test
+    sends each signal once."""
+    ran = {signal.SIGINT: threading.Event(), signal.SIGTERM: threading.Event()}
 
-    old = signal.signal(signal.SIGTERM, handler)
-    yield
-    signal.signal(signal.SIGTERM, old)
+    def on_int(signum, frame):
+        if not ran[signal.SIGINT].is_set():
+            ran[signal.SIGINT].set()
+            raise KeyboardInterrupt
+
+    def on_term(signum, frame):
+        if not ran[signal.SIGTERM].is_set():
+            ran[signal.SIGTERM].set()
+            raise SystemExit(143)
+
+    old = {s: signal.signal(s, h) for s, h in ((signal.SIGINT, on_int), (signal.SIGTERM, on_term))}
+    yield ran
+    for s, h in old.items():
+        signal.signal(s, h)
 
 
-def test_interrupt_in_the_wait_for_the_persist_propagates_and_mixes_nothing(memory_url, sigterm_exits, request):
+def test_interrupt_in_the_wait_for_the_persist_propagates_and_mixes_nothing(memory_url, handled, request):
     """KeyboardInterrupt and SystemExit raised into the checkpointer's waits reach the caller,
     and training that continues afterwards commits only checkpoints of a single step each.
 
@@ -131,7 +161,8 @@ def test_interrupt_in_the_wait_for_the_persist_propagates_and_mixes_nothing(memo
     held.hold()
     step()                      # step 2: snapshot, its persist blocks in the storage
     step()
-    w = _Watcher("_wait_inflight", lambda: signal.pthread_kill(main, signal.SIGINT), on_timeout=held.release)
+    w = _Watcher("_wait_inflight", lambda: _interrupt(main, signal.SIGINT, handled[signal.SIGINT]),
+                 on_timeout=held.release)
     try:
         with pytest.raises(KeyboardInterrupt):
             step()              # step 4 waits for persist 2: interrupted there
@@ -151,7 +182,8 @@ def test_interrupt_in_the_wait_for_the_persist_propagates_and_mixes_nothing(memo
     held.hold()
     step()
     step()                      # step 8: snapshot, persist blocked
-    w = _Watcher("_wait_inflight", lambda: signal.pthread_kill(main, signal.SIGTERM), on_timeout=held.release)
+    w = _Watcher("_wait_inflight", lambda: _interrupt(main, signal.SIGTERM, handled[signal.SIGTERM]),
+                 on_timeout=held.release)
     try:
         with pytest.raises(SystemExit):
             ckpt.wait()
