@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     config = ExperimentConfig(out_dir=out, policies=runs, steps=a.steps, epoch_steps=a.steps,
                               step_s=a.step_s, state_mb=a.state_mb, schedule="trace", trace=a.trace,
                               time_scale=a.time_scale, failures="preempt", notice_s=0.0, seed=a.seed,
-                              baseline_steps=60)
+                              baseline_steps=60, live_recovery=False)   # the plan rolls back to a commit
     if a.reuse:   # the runs' event logs of an earlier invocation with the same options
         logs = {}
         for name in ("baseline", *config.policies):

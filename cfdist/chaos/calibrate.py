@@ -232,15 +232,16 @@ class Prediction:
 
 
 def predict(events: Sequence[FailureEvent], policy: SimPolicy, *, costs: Costs, nodes: int,
-            workers_per_node: int, measured: RunMetrics, label: str) -> Prediction:
+            workers_per_node: int, measured: RunMetrics, label: str, live: bool = False) -> Prediction:
     """Simulate ``policy`` under ``events`` over ``measured``'s window; goodput on its yardstick.
 
-    ``events`` are the schedule's (times from the injector's time 0, as in the window).
+    ``events`` are the schedule's (times from the injector's time 0, as in the window); ``live``:
+    the run recovered from its survivors' live state (:func:`~cfdist.chaos.simulator.simulate`).
     """
     horizon = measured.wall_s
     if not horizon > 0:
         raise ValueError(f"run {measured.label!r} has an empty training window ({horizon}s)")
     sim = simulate(list(events), policy, costs=costs, nodes=nodes, horizon_s=horizon,
-                   workers_per_node=workers_per_node, label=label)
+                   workers_per_node=workers_per_node, label=label, live=live)
     goodput = sim.useful_iters * measured.iter_s / horizon
     return Prediction(sim=sim, goodput=goodput, measured=measured.goodput)

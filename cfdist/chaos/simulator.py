@@ -358,8 +358,9 @@ class _Incident:
 class _Run:
     """Mutable state of one simulated run; driven by :func:`simulate`."""
 
-    def __init__(self, *, k: int, costs: Costs, nodes: int) -> None:
+    def __init__(self, *, k: int, costs: Costs, nodes: int, replicas: int = 1, live: bool = False) -> None:
         self.k, self.c, self.nodes = k, costs, nodes
+        self.replicas, self.live = replicas, live
         self.up = [True] * nodes
         self.node_s, self.last_t = 0.0, 0.0
         self.phase, self.phase_t, self.phase_end = "running", 0.0, math.inf
@@ -448,10 +449,18 @@ class _Run:
             e = self.seg.emergency(t - max(notices), t)
             if e is not None:
                 committed = max(committed, e)
+        if self.live and self._replica_survives(hits):
+            committed = step   # a survivor writes the last step it completed: only the one in progress is lost
         self.progress += [(t, step), (t, committed)]
         self.restored = committed
         self.open = _Incident(t, kind, step, committed, len(hits))
         self._to(t, "detect", t + detect)
+
+    def _replica_survives(self, hits: list[FailureEvent]) -> bool:
+        """Whether a rank holding the live state is left after ``hits`` (a crash takes one rank;
+        a preemption its node, already marked down in ``up``)."""
+        per_node = self.replicas // self.nodes
+        return sum(self.up) * per_node - sum(1 for e in hits if e.kind == "crash") > 0
 
     def finish(self, horizon: float) -> int:
         """Close the books at ``horizon``; returns the progress then."""
@@ -485,10 +494,15 @@ def simulate(
     horizon_s: float,
     workers_per_node: int = 1,
     label: str | None = None,
+    live: bool = False,
 ) -> SimResult:
     """Replay ``schedule`` (or a ready list of events) for a ``nodes``-node job until ``horizon_s``.
 
-    Pure and deterministic. ``workers_per_node`` only scales worker-seconds.
+    Pure and deterministic. ``workers_per_node`` scales worker-seconds and counts the replicas
+    a crash leaves. ``live``: recovery from the survivors' live state (``cfdist.fit``'s
+    ``live_recovery``): a failure that leaves a rank running (a crash of one rank of several, a
+    preemption that leaves a node) restores the last step completed before it, so only the
+    step in progress is lost; one that takes every rank rolls back to the newest commit.
     """
     if not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be an int >= 1, got {nodes!r}")
@@ -500,7 +514,7 @@ def simulate(
     _check_events(events, nodes)
     k_max = max(1, _ceil(horizon_s / costs.iter_s))
     k, reason = resolve_k(policy, costs, mtbf_s=estimate_mtbf(events, horizon_s), k_max=k_max)
-    run = _Run(k=k, costs=costs, nodes=nodes)
+    run = _Run(k=k, costs=costs, nodes=nodes, replicas=nodes * workers_per_node, live=live)
     i = 0
     while i < len(events) and events[i].time_s < horizon_s:
         j = i

@@ -34,6 +34,7 @@ import torch
 from cfdist.checkpoint import agreement, discovery, latest as newest, peer, retention, roots, slices, state as st
 from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
+from cfdist.checkpoint.live import LiveState
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import (
     PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend,
@@ -52,6 +53,9 @@ from cfdist.storage.redact import redact
 log = logging.getLogger("cfdist.checkpointer")
 
 HISTORY = "history.json"
+
+_LIVE_SETTLE_S = 2.0
+"""How long ``save_live`` gives a checkpoint in flight to commit before writing the live state."""
 
 
 def _default_policy():
@@ -221,6 +225,7 @@ class Checkpointer:
                 self._hooks.append(obj.register_before_next_hook(self._on_boundary))
                 self._fetch_hooked = True
         self._copies_reported = 0
+        self._live = LiveState(state, self._kinds) if grp.live and self.writer else None
         self._bind_policy()
         self.codecs = resolve_codecs(codecs, mtbf_s=self._policy.mtbf_s, history=self._read_json(HISTORY))
         self._codec_session = uuid.uuid4().hex
@@ -393,6 +398,8 @@ class Checkpointer:
         stall, self._gate_stall = self._snap.wait_copied() + self._gate_stall, 0.0
         t0 = time.perf_counter()
         out = None
+        if self._live is not None:
+            self._live.in_update = True   # stays set if the update raises: the state is torn
         if scaler is not None:
             out = scaler.step(optimizer)
             scaler.update()
@@ -400,6 +407,9 @@ class Checkpointer:
             out = optimizer.step(closure) if closure is not None else optimizer.step()
         update_s = time.perf_counter() - t0
         self._step += 1
+        if self._live is not None:
+            self._live.in_update = False
+            self._live.after_update(self._step, rng_now=not self._fetch_hooked)
         epoch_end = self._epoch_end()
         took = self._agreed_decision(epoch_end)
         if took:
@@ -481,6 +491,49 @@ class Checkpointer:
         if block:
             h.wait()
         return h
+
+    def save_live(self, timeout_s: float = 30.0) -> int | None:
+        """After the group failed (a peer died: a collective raised), write the live state of
+        the last completed step, without any collective or the store; returns that step, or
+        None when nothing was written (the reason is logged).
+
+        Needs ``group=cfdist.GroupOptions(live=True)`` (``cfdist.fit`` sets it) and a writer
+        rank. Nothing is written when the step is committed already, when no step completed, or
+        when the failure came inside the optimizer update (the parameters may be partly
+        updated: ``ckpt.step``'s ``optimizer.step()`` raised). The checkpoint holds this rank's
+        RNG states; the other ranks resume with derived ones (:mod:`cfdist.checkpoint.live`).
+        A persist of this Checkpointer still in flight is given up to ``timeout_s`` to commit
+        first. Raises what the write raised (its own timeout included). Training thread, after
+        the loop was left."""
+        if self._live is None:
+            if not self.writer:
+                log.info("rank %d writes no checkpoints: no live state to save", self.rank)
+                return None
+            raise RuntimeError("save_live() needs the live state kept at every step: build the Checkpointer "
+                               "with group=cfdist.GroupOptions(live=True)")
+        self._settle_inflight(time.monotonic() + min(timeout_s, _LIVE_SETTLE_S))
+        if self._latest is not None and self._live.floor < self._latest:
+            self._live.floor = self._latest
+        step, why = self._live.save(self, timeout_s=timeout_s)
+        if step is None:
+            log.info("rank %d: no live state written (%s)", self.rank, why)
+        return step
+
+    def _settle_inflight(self, deadline: float) -> None:
+        """Give the snapshot copy and the persists in flight until ``deadline`` to finish,
+        and collect them (a peer's death may have left one waiting for it: not past the
+        deadline)."""
+        fut = self._snap_host_future
+        try:
+            if fut is not None:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            self._try_submit()
+            for p, _ in list(self._inflight):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - that persist's own error is recorded by _harvest
+            log.info("rank %d: a checkpoint in flight did not finish before the live save (%s)", self.rank,
+                     type(e).__name__)
+        self._harvest()
 
     def wait(self) -> None:
         """Block until the last snapshot committed; re-raise a background failure (once)."""
@@ -615,6 +668,8 @@ class Checkpointer:
 
     def _on_boundary(self, *args, **kwargs) -> None:
         """The instant between iterations: capture schedulers, plain values and RNG."""
+        if self._live is not None:
+            self._live.at_boundary()
         p = self._pending
         if p is None:
             return
@@ -837,6 +892,8 @@ class Checkpointer:
         st.apply(self.state, st.with_rank_buffers(found.state, extra.pop("buffers", None)))
         st.set_rng_state(extra)
         self._step = self._snapped_step = c.step
+        if self._live is not None:   # what it restored is on storage: nothing newer to save yet
+            self._live.step = self._live.floor = c.step
         self._note_rollback(found, rejected, cands, asked=step is not None)
         if self._latest is None or c.tier == 0:   # a restore may roll back past newer steps
             self._set_latest(c.step if c.tier == 0 else self._latest, newer_only=False)

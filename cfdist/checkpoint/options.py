@@ -105,6 +105,12 @@ class GroupOptions:
     """How long a rank waits for the others through the store (the agreed k, every rank's RNG
     states, restore, the other writers' slices) before raising ``AgreementError`` naming the
     missing keys."""
+    live: bool = False
+    """Keep, on a writer, the small state of the last completed step (data position,
+    schedulers, RNG, module buffers: a few ``state_dict()`` calls per step), so that after the
+    group failed (a peer died, the next collective raised) :meth:`Checkpointer.save_live` can
+    write the live state of that step without the group or the store
+    (:mod:`cfdist.checkpoint.live`). ``cfdist.fit`` turns it on."""
 
     def __post_init__(self):
         for name in ("rank", "world_size"):
@@ -116,6 +122,8 @@ class GroupOptions:
             raise ValueError(f"GroupOptions.lookahead must be an int >= 1 (steps per agreement window), "
                              f"got {self.lookahead!r}")
         _seconds("GroupOptions.agree_timeout_s", self.agree_timeout_s, none_ok=False)
+        if not isinstance(self.live, bool):
+            raise TypeError(f"GroupOptions.live must be True or False, got {self.live!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -180,8 +180,9 @@ def derived_rng_state(run_seed: int, rank: int, step: int) -> dict:
 def rank_rng_state(manifest: dict, rank: int, *, where: str) -> dict:
     """The RNG states ``rank`` resumes with, from a checkpoint's manifest.
 
-    ``rngs`` (one per saved rank): rank ``r`` gets its own, a rank beyond them gets
-    :func:`derived_rng_state`. A manifest with a single ``rng``: saved by one process
+    ``rngs`` (one per saved rank): rank ``r`` gets its own, a rank beyond them, or one whose
+    entry is None (a checkpoint of the live state written after the group failed holds only
+    its writer's: :mod:`cfdist.checkpoint.live`), gets :func:`derived_rng_state`. A manifest with a single ``rng``: saved by one process
     (``world_size`` 1), it is rank 0's and other ranks are derived; saved by an older cfdist on
     several ranks, every rank gets it, as that version did. ``CheckpointError`` if malformed.
     """
@@ -192,9 +193,9 @@ def rank_rng_state(manifest: dict, rank: int, *, where: str) -> dict:
             if rank == 0 or manifest.get("world_size", 1) > 1 or not one:
                 return one
             rngs = [manifest["rng"]]
-        if rank < len(rngs):
+        if rank < len(rngs) and rngs[rank] is not None:
             return unflatten(rngs[rank], {})
-        first = unflatten(rngs[0], {})
+        first = unflatten(next((r for r in rngs if r is not None), {}), {})
         seed = torch.Generator().set_state(first["torch"]).initial_seed() if "torch" in first else 0
         return derived_rng_state(seed, rank, int(manifest["step"]))
     except (KeyError, ValueError, TypeError, RuntimeError, AttributeError) as e:

@@ -91,6 +91,16 @@ class RecoveryOptions:
     metadata_url: str | None = None
     """Base URL of the instance metadata service that nodes labelled ``cfdist-notices`` poll
     for preemption notices (None: the cloud's own; a test's fake server otherwise)."""
+    live_recovery: bool = True
+    """Recover from the survivors' live state: when a rank or a node dies, every surviving
+    node's writer writes the state of the last step it completed to its node's memory tier
+    (no collective, :meth:`cfdist.Checkpointer.save_live`) before its rank stops, and the next
+    group restores the newest step every node can obtain, as from any checkpoint: at most the
+    step in progress is lost, instead of everything since the last checkpoint. False: the
+    survivors stop at once and the run rolls back to the last checkpoint."""
+    live_timeout_s: float = 30.0
+    """How long a survivor's live save may take (its copy and its commit to the memory tier);
+    past it the rank stops and the run rolls back to the last checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +175,9 @@ class FitConfig:
     progress: bool = OutputOptions.progress
     metadata_url: str | None = RecoveryOptions.metadata_url
     storage_options: dict | None = TierOptions.storage_options
+    live_recovery: bool = RecoveryOptions.live_recovery
+    live_timeout_s: float = RecoveryOptions.live_timeout_s
+
     @classmethod
     def build(cls, *, tiers: TierOptions | None = None, recovery: RecoveryOptions | None = None,
               output: OutputOptions | None = None, flat: dict | None = None, owner: str = "cfdist.fit",
@@ -223,7 +236,10 @@ class FitConfig:
         if not (w == "all" or (isinstance(w, int) and not isinstance(w, bool) and w >= 1)):
             raise ValueError(f"shared_writers must be 'all' or an int >= 1 (how many nodes upload a slice of a "
                              f"shared-tier checkpoint), got {w!r}; pass 1 to let node 0 upload alone")
-        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s", "sigterm_grace_s", "shared_slice_timeout_s"):
+        if not isinstance(self.live_recovery, bool):
+            raise TypeError(f"live_recovery must be True or False, got {self.live_recovery!r}")
+        for name in ("poll_s", "rendezvous_timeout_s", "wait_for_nodes_s", "sigterm_grace_s", "shared_slice_timeout_s",
+                     "live_timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")

@@ -49,8 +49,9 @@ class TrainContext:
     """Per-rank view of the run. Built by the worker actor; users receive it, never build it."""
 
     def __init__(self, *, info: RankInfo, device: torch.device, tiers: dict, node_actor, policy,
-                 keep: int, restore_step: int | None, restore_tier: str):
+                 keep: int, restore_step: int | None, restore_tier: str, live: bool = False):
         self._info = info
+        self._live = live
         self.device = device
         """``torch.device`` of this rank (``cuda:0`` of its visible GPU, or ``cpu``)."""
         self._tiers = tiers
@@ -121,7 +122,8 @@ class TrainContext:
                              {k: kwargs.pop(k) for k in list(kwargs) if k in LEGACY}, owner="ctx.checkpointer")
         persist = dataclasses.replace(groups["persist"] or PersistOptions(),
                                       backend=ActorBackend(self._node_actor, self.attempt, policy))
-        group = dataclasses.replace(groups["group"] or GroupOptions(), rank=self.rank, world_size=self.world_size)
+        group = dataclasses.replace(groups["group"] or GroupOptions(), rank=self.rank, world_size=self.world_size,
+                                    live=self._live or (groups["group"] is not None and groups["group"].live))
         kwargs["load"] = groups["load"]
         ck = _FitCheckpointer(
             self, state, node_tiers[0], policy, keep=self._keep, writers=self.local_rank == 0,

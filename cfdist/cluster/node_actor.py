@@ -683,6 +683,12 @@ class ActorBackend:
         to_disk = self.policy is None or not hasattr(self.policy, "to_disk") or self.policy.to_disk(job.step)
         return ActorPending(self.actor.persist.remote(job, self.attempt, to_disk), job.step, job.gate)
 
+    def submit_live(self, job: PersistJob) -> ActorPending:
+        """A survivor's live state after a failure (:mod:`cfdist.checkpoint.live`): to the
+        memory tier only (the local tier when the node has none), where the next group reads it
+        at memory speed and a peer node's actor can copy it from."""
+        return ActorPending(self.actor.persist.remote(job, self.attempt, False), job.step, job.gate)
+
     def close(self) -> None:
         if self._gates is not None:   # the actor outlives the workers; the gates do not
             self._gates.close()

@@ -43,7 +43,7 @@ class RankWorker:
     """One rank. Plain class; the driver wraps it with ``ray.remote``."""
 
     def __init__(self, info: RankInfo | None, *, use_gpu: bool, timeout_s: float, cpus: float,
-                 sigterm_grace_s: float = 25.0, log_dir: str | None = None):
+                 sigterm_grace_s: float = 25.0, log_dir: str | None = None, live_timeout_s: float | None = None):
         self.log_path = stderr_to_file(log_dir, "rank-worker")
         """This process's log file (None: stderr stays Ray's)."""
         self.info = info
@@ -55,6 +55,9 @@ class RankWorker:
         self._log_role()
         self._store = None
         self.sigterm_grace_s = sigterm_grace_s
+        self.live_timeout_s = live_timeout_s
+        """How long a live save after a failure may take (None: recovery from live state is off)."""
+        self._live_saving = threading.Event()
         self.sigterm_handled = False
         self._training = False
         if threading.current_thread() is threading.main_thread():
@@ -152,14 +155,16 @@ class RankWorker:
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         self.ctx = TrainContext(info=self.info, device=device, tiers=tiers, node_actor=node_actor,
                                 policy=policy, keep=keep, restore_step=restore_step,
-                                restore_tier=restore_tier)
+                                restore_tier=restore_tier, live=self.live_timeout_s is not None)
         t0 = time.perf_counter()
         self._training = True
         try:
             value = train_fn(self.ctx)
-        except BaseException:
+        except BaseException as e:
             # the details of a failure: in this rank's log file, not on the driver's console
             log.exception("rank %d (attempt %d): the training function failed", self.info.rank, self.info.attempt)
+            if isinstance(e, Exception):   # an interrupt (SIGTERM's exit, Ctrl-C) leaves at once
+                self._save_live()
             raise
         finally:
             self._training = False
@@ -170,6 +175,31 @@ class RankWorker:
             dist.barrier()   # no rank tears the group down while another still commits
             dist.destroy_process_group()
         return out
+
+    def _save_live(self) -> None:
+        """The group failed under this rank (a peer died: a collective raised): its node's
+        writer writes the live state of the last step it completed to the node's tiers
+        (:meth:`cfdist.Checkpointer.save_live`), so the next group loses at most the step in
+        progress. A save that fails or times out is logged; the run then rolls back to the last
+        checkpoint, as without live recovery."""
+        if self.live_timeout_s is None or self.ctx is None:
+            return
+        self._live_saving.set()
+        try:
+            for ck in self.ctx._ckpts:
+                if getattr(ck, "_closed", False) or not ck.writer:
+                    continue
+                try:
+                    ck.save_live(timeout_s=self.live_timeout_s)
+                except Exception as err:  # noqa: BLE001 - logged; recovery falls back on the last commit
+                    log.warning("rank %d: the live state could not be written (%s: %s); the run restarts from "
+                                "its last checkpoint", self.info.rank, type(err).__name__, err)
+        finally:
+            self._live_saving.clear()
+
+    def live_saving(self) -> bool:
+        """Whether this rank is writing its live state after a failure (the driver waits for it)."""
+        return self._live_saving.is_set()
 
     def recycle(self) -> int:
         """Make a rank whose attempt failed (its ``run`` raised: a peer died) a warm spare again,

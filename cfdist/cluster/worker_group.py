@@ -28,6 +28,9 @@ from cfdist.cluster.worker import RankWorker
 log = logging.getLogger("cfdist.group")
 
 _RemoteWorker = ray.remote(RankWorker)
+_ASK_S = 0.2
+"""How long a running rank has to answer whether it is writing its live state (a live rank
+answers in milliseconds; one on a lost node never does)."""
 _SETTLE_S = 1.0
 """After a first error, how long to wait for the other ranks' outcomes (to classify the failure:
 a surviving rank's collective error usually follows its peer's death within milliseconds)."""
@@ -111,9 +114,33 @@ class RayWorkerGroup:
                 if left:
                     ready, _ = ray.wait(left, num_returns=len(left), timeout=_SETTLE_S)
                     self._collect(ready)
+                self._wait_live_saves(pending)
         records = self._drain(0)
         return GroupStatus(finished=len(self._results) == len(self.workers), errors=list(self._errors),
                            results=dict(self._results), records=records)
+
+    def _wait_live_saves(self, pending: list[int]) -> None:
+        """After a failure: the ranks still running that are writing their live state
+        (:meth:`RankWorker.live_saving`) are waited for, up to ``live_timeout_s``: the restore
+        decision must see the step they write. The others (hung, or on a lost node) are not."""
+        if not self.config.live_recovery:
+            return
+        left = [r for r in pending if r not in self._results and not any(e.rank == r for e in self._errors)]
+        if not left:
+            return
+        asks = {r: self.workers[r].live_saving.remote() for r in left}
+        ready, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=_ASK_S)
+        saving = []
+        for r, ref in asks.items():
+            try:
+                if ref in ready and ray.get(ref):
+                    saving.append(r)
+            except ray.exceptions.RayError:
+                pass   # gone: its outcome tells
+        if saving:
+            refs = [self._refs[r] for r in saving]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.live_timeout_s + _SETTLE_S)
+            self._collect(ready)
 
     def _collect(self, ready) -> None:
         by_ref = {ref: r for r, ref in self._refs.items()}
@@ -234,7 +261,8 @@ def new_rank_actor(config: FitConfig, node_id: str, info: RankInfo | None):
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         max_concurrency=4, max_restarts=0, name=None,
     ).remote(info, use_gpu=config.use_gpu, timeout_s=config.rendezvous_timeout_s, cpus=config.cpus_per_worker,
-             sigterm_grace_s=config.sigterm_grace_s, log_dir=config.log_dir)
+             sigterm_grace_s=config.sigterm_grace_s, log_dir=config.log_dir,
+             live_timeout_s=config.live_timeout_s if config.live_recovery else None)
 
 
 def _read_in_background(refs: list, timeout_s: float = 60.0) -> None:

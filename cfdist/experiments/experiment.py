@@ -146,6 +146,10 @@ class ExperimentConfig:
     memory_every: int | None = None
     """``cfdist.fit(tiers=TierOptions(memory_every=...))`` for every policy's run: a memory snapshot every n steps
     (a crash loses at most n iterations), disk at the policy's interval. None: off."""
+    live_recovery: bool = True
+    """``cfdist.fit(recovery=RecoveryOptions(live_recovery=...))`` for every run: a failure that leaves a
+    rank running restores the survivors' live state (the step in progress is lost), and the
+    simulator models it; False: every failure rolls back to the newest commit."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.out_dir, str) and self.out_dir):
@@ -415,7 +419,7 @@ def _run_one(config: ExperimentConfig, name: str, spec: str | None, schedule, cl
                    storage=f"file://{ckpt_dir}/{{node}}", policy=policy, preemption=schedule,
                    max_failures=config.max_failures, run_name=run, total_steps=steps,
                    cpus_per_worker=1, output=OutputOptions(progress=config.progress, event_log=event_log),
-                   recovery=RecoveryOptions(min_nodes=config.num_nodes,
+                   recovery=RecoveryOptions(min_nodes=config.num_nodes, live_recovery=config.live_recovery,
                                             wait_for_nodes_s=max(120.0, 10 * config.return_after_s)),
                    tiers=TierOptions(memory_every=config.memory_every if spec is not None else None), **hooks)
     except FitError as e:
@@ -464,7 +468,8 @@ def analyse(config: ExperimentConfig, schedule, logs: dict, out: str) -> Experim
         # The window starts when the first step started: shift the schedule onto it.
         shift = cut[spec][1]
         evs = [dataclasses.replace(e, time_s=e.time_s - shift) for e in events if 0 <= e.time_s - shift < m.wall_s]
-        args = dict(nodes=config.num_nodes, workers_per_node=config.workers_per_node, measured=m, label=m.label)
+        args = dict(nodes=config.num_nodes, workers_per_node=config.workers_per_node, measured=m, label=m.label,
+                    live=config.live_recovery)
         pred, xpred = predict(evs, sp, costs=own, **args), predict(evs, sp, costs=cross, **args)
         if spec in ("epoch",) or spec.startswith("every:"):
             k_fail = tuple(ks[spec] for _ in m.failures)
@@ -529,6 +534,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints")
     p.add_argument("--memory-every", type=int, default=None,
                    help="memory snapshot every N steps, disk at the policy's interval (default: off)")
+    p.add_argument("--no-live-recovery", dest="live_recovery", action="store_false",
+                   help="roll every failure back to the newest commit (default: a failure that leaves a rank "
+                        "running restores the survivors' live state)")
 
 
 def config_from_args(a: argparse.Namespace) -> ExperimentConfig:
@@ -541,7 +549,8 @@ def config_from_args(a: argparse.Namespace) -> ExperimentConfig:
         seed=a.seed, max_scheduled=a.max_scheduled, overhead_budget=a.budget, baseline=not a.no_baseline,
         baseline_steps=a.baseline_steps, node_loss=a.node_loss,
         ray_address=a.address or os.environ.get("RAY_ADDRESS") or None, max_failures=a.max_failures,
-        progress=a.progress, keep_checkpoints=a.keep_checkpoints, memory_every=a.memory_every)
+        progress=a.progress, keep_checkpoints=a.keep_checkpoints, memory_every=a.memory_every,
+        live_recovery=a.live_recovery)
 
 
 def _cli(a: argparse.Namespace) -> int:

@@ -12,9 +12,11 @@ the model's size and compute (a zero buffer and a sleep stand in), the preempted
 is drained and returned, not replaced).
 
 The points, one test each: every policy runs to its last step through the same two failures;
-Auto (and every k-policy) loses at most 2k iterations per failure, k as the policy reported it,
-while the epoch baseline loses more; and the simulator, given each run's measured costs,
-predicts that run's goodput within ``TOLERANCE``.
+with recovery from the survivors' live state (``cfdist.fit``'s default) each failure loses at
+most the step in progress, whatever the policy (the rollback to a commit, and its bound of 2k,
+is tested at the ``cfdist.fit`` level and in the simulator's tables); and the simulator, given
+each run's measured costs and told about live recovery, predicts that run's goodput within
+``TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -82,23 +84,13 @@ def test_every_policy_finishes_through_the_same_failures(experiment):
         assert os.path.getsize(res.files[name]) > 1000, name
 
 
-def test_lost_work_is_within_2k_and_the_epoch_baseline_loses_more(experiment):
-    """Per failure, a k-policy rolls back at most 2k steps (k in force when it hit); the epoch
-    baseline, which checkpoints once per (long) epoch, loses more on average than Auto."""
-    res = experiment
-    for r in res.runs:
-        if r.policy == "epoch":
-            continue
-        bounded = 0
-        for f, k in zip(r.measured.failures, r.k_at_failures):
-            if k is None:   # Auto still profiling (its first k is agreed a window later): no interval yet
-                assert r.policy.startswith("auto"), f"{r.policy}: no k reported before the failure at {f.time_s:.1f}s"
-                continue
-            assert f.lost_iters <= 2 * k, (r.policy, f, k)
-            bounded += 1
-        assert bounded, f"{r.policy}: no failure hit while a k was in force ({r.k_at_failures})"
-    epoch, auto = res.run("epoch").measured, res.run("auto").measured
-    assert epoch.lost_iters_mean > auto.lost_iters_mean, (epoch.lost_iters, auto.lost_iters)
+def test_with_a_survivor_every_failure_loses_at_most_the_step_in_progress(experiment):
+    """Both failures leave a rank running (a crash of one of two ranks, a preemption of one of
+    two nodes): the survivor writes its live state, so every policy, the epoch baseline with
+    one checkpoint per run included, loses at most the step in progress per failure."""
+    for r in experiment.runs:
+        for f in r.measured.failures:
+            assert f.lost_iters <= 1, (r.policy, f)
 
 
 def test_simulator_predicts_each_runs_goodput_within_tolerance(experiment):

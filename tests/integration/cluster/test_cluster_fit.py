@@ -76,17 +76,30 @@ def _assert_same(value, reference):
         assert torch.equal(value[k], reference[k]), f"{k} differs from the failure-free run"
 
 
-def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp_path):
+@pytest.mark.parametrize("live", [True, False], ids=["live", "rollback"])
+def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp_path, live):
     """Rank 1's process is SIGKILLed at step 10: the group restarts at full size from the
-    newest checkpoint in the node actors' memory tiers (its own node's, or - when the killed
-    rank had not committed the newest step yet - the other node's, copied actor to actor); no
-    disk is read. Final parameters equal the reference."""
+    node actors' memory tiers (its own node's, or - when the killed rank's node lacks the step
+    - the other node's, copied actor to actor); no disk is read. With live recovery (the
+    default) the step is the one the surviving rank completed last, written from its live
+    state after its all-reduce failed: nothing is lost but the step in progress; without it,
+    the newest checkpoint (a multiple of k). Final parameters equal the reference."""
     fake_cluster.ensure_workers(2)
-    result, out = _fit(fake_cluster, tmp_path, "crash",
+    result, out = _fit(fake_cluster, tmp_path, "crash", live_recovery=live,
                        schedule=StepSchedule([AtStep(step=10, kind="crash", rank=1)]))
     assert result.failures == 1
     (f,) = result.failure_stats
     assert f.kind == "crash" and f.tier in ("memory", "peer")
+    if live:
+        # rank 0 had completed step 10 at least (the driver saw it) when rank 1 died
+        assert f.restored_step >= 10 and f.lost_iterations <= 1, f
+        manifest = glob.glob(f"{tmp_path}/n*/local/**/step-{STEPS:09d}/MANIFEST.json", recursive=True)
+        assert manifest, "the final checkpoint is missing"
+        live_logs = [p for p in glob.glob(f"{result.log_dir}/rank-worker-*.log")
+                     if f"wrote the live state of step {f.restored_step}" in open(p).read()]
+        assert live_logs, f"no rank log says it wrote the live state of step {f.restored_step}"
+    else:
+        assert 0 < f.restored_step <= f.step and f.restored_step % EVERY == 0, f
     recs = _records(tmp_path / "crash.jsonl")
     (choice,) = [r for r in recs if r.get("what") == "restore" and r["step"]]
     assert {src for src, _ in choice["sources"].values()} <= {"memory", "peer"}
@@ -99,7 +112,6 @@ def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp
     restarted = recs[order[1]]
     assert restarted["reused"] == 2 and restarted["recycled"] == 1, restarted
     assert {"spawn_s", "rendezvous_s", "spare_wait_s"} <= restarted.keys()
-    assert 0 < f.restored_step <= f.step and f.restored_step % EVERY == 0
     assert result.world_sizes == (2, 2)
     assert result.final_step == STEPS and result.steps >= STEPS
     _assert_same(result.value, reference)

@@ -110,7 +110,8 @@ def _logs():
 
 def test_analysis_measures_each_run_and_predicts_it_from_its_own_and_the_others_costs(tmp_path):
     c = ExperimentConfig(policies=("every:5", "auto"), steps=30, epoch_steps=10, mtbf_s=1.0, failures="crash",
-                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path))
+                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path),
+                         live_recovery=False)   # the logs roll back to a commit
     res = analyse(c, build_schedule(c), _logs(), str(tmp_path))
     assert res.iter_s == pytest.approx(0.1) and res.baseline.goodput == pytest.approx(1.0)
     every, auto = res.run("every:5"), res.run("auto")
@@ -130,7 +131,8 @@ def test_analysis_measures_each_run_and_predicts_it_from_its_own_and_the_others_
 
 def test_report_writes_json_tables_and_figures(tmp_path):
     c = ExperimentConfig(policies=("every:5", "auto"), steps=30, epoch_steps=10, mtbf_s=1.0, failures="crash",
-                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path))
+                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path),
+                         live_recovery=False)   # the logs roll back to a commit
     res = analyse(c, build_schedule(c), _logs(), str(tmp_path))
     files = write_report(res, str(tmp_path), title="t")
     data = json.load(open(files["results.json"]))
@@ -155,7 +157,8 @@ def test_summary_overlays_need_one_entry_per_result(tmp_path):
     from cfdist.chaos.plots import plot_summary
 
     c = ExperimentConfig(policies=("every:5", "auto"), steps=30, epoch_steps=10, mtbf_s=1.0, failures="crash",
-                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path))
+                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path),
+                         live_recovery=False)   # the logs roll back to a commit
     res = analyse(c, build_schedule(c), _logs(), str(tmp_path))
     measured = [r.measured for r in res.runs]
     with pytest.raises(ValueError, match="predicted has 1 entries for 2 results"):

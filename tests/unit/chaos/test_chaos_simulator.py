@@ -286,3 +286,26 @@ def test_full_bamboo_p3_trace_replays_every_policy():
     assert epoch.goodput < auto.goodput and epoch.lost_iters_mean > auto.lost_iters_mean
     assert aware.k >= auto.k
     assert all(0 < r.goodput < r.failure_free_goodput for r in results)
+
+
+@pytest.mark.parametrize(
+    "events, nodes, wpn, step, restored",
+    [
+        ([crash(25.2)], 2, 1, 25, 25),                    # the other rank's live state: nothing lost
+        ([crash(20.3)], 2, 1, 20, 20),                    # checkpoint 20 still persisting: live is newer anyway
+        ([preempt(25.2, node=1)], 2, 1, 25, 25),          # node 0 survives
+        ([preempt(25.2, node=0), preempt(25.2, node=1)], 2, 1, 25, 20),   # the whole pool: the last commit
+        ([crash(25.2)], 1, 1, 25, 20),                    # the only rank: no survivor
+        ([crash(25.2)], 1, 2, 25, 25),                    # one node, two ranks: its peer survives
+    ],
+)
+def test_live_recovery_loses_only_the_step_in_progress_while_a_replica_survives(events, nodes, wpn, step, restored):
+    """With ``live=True`` a failure that leaves a rank running restores the last step it
+    completed (CheckFreq's rollback only when every rank is gone); without, the newest commit."""
+    evs = events + [back(60.0, node=e.node) for e in events if e.kind == "preempt"]
+    r = simulate(evs, FixedK(k=10), costs=SIMPLE, nodes=nodes, workers_per_node=wpn, horizon_s=200.0, live=True)
+    (f,) = r.failures
+    assert (f.step, f.restored_step) == (step, restored)
+    rollback = simulate(evs, FixedK(k=10), costs=SIMPLE, nodes=nodes, workers_per_node=wpn, horizon_s=200.0)
+    assert rollback.failures[0].restored_step == (20 if step == 25 else 10)
+    assert r.useful_iters >= rollback.useful_iters

@@ -1,0 +1,137 @@
+"""The live state of the last completed step, written after the training group failed.
+
+Real: the Checkpointer (thread backend), files under a tmp ``file://`` directory, a model with
+BatchNorm and dropout, an SGD optimizer with momentum, a StepLR scheduler, a ResumableLoader,
+and noise drawn from torch, numpy and python every step. Faked: the peer's death (the loop
+raises where a collective would: after step 6's forward, whose fetch, dropout and BatchNorm
+update already happened; or inside the optimizer update).
+
+The points: ``save_live`` writes the last completed step (5) without a collective, nothing newer
+on storage than the policy's checkpoints before it; a restore from it continues bit for bit
+like the uninterrupted run (parameters, BatchNorm statistics, optimizer, scheduler, data
+position, RNG); a failure inside the update writes nothing; a step already on storage is not
+written again; without ``GroupOptions(live=True)`` it says what to change.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import cfdist
+from cfdist.checkpoint.format import step_dir
+
+STEPS, FAIL_AT = 10, 6
+
+
+class Boom(RuntimeError):
+    """Stands for the collective's error (gloo: 'Connection reset by peer')."""
+
+
+def _objects(url, *, live=True, every=100):
+    torch.manual_seed(0)
+    np.random.seed(1)
+    random.seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    data = torch.arange(200, dtype=torch.float32).reshape(50, 4)
+    loader = cfdist.ResumableLoader(data, 4, seed=3, rank=0, world_size=1)
+    ckpt = cfdist.Checkpointer({"model": model, "opt": opt, "sched": sched, "data": loader}, url,
+                               cfdist.Every(every), group=cfdist.GroupOptions(live=live))
+    return model, opt, sched, loader, ckpt
+
+
+def _train(objs, until, *, fail_at=None, fail_in_update=False):
+    """Train to step ``until``; at step ``fail_at`` raise after the forward (or in the update)."""
+    model, opt, sched, loader, ckpt = objs
+    it = iter(loader)
+    while ckpt.step_count < until:
+        x = next(it) / 100.0
+        noise = torch.randn(4, 1) + float(np.random.randn()) + random.random()
+        loss = (model(x) - noise).square().mean()
+        if fail_at is not None and ckpt.step_count + 1 == fail_at and not fail_in_update:
+            raise Boom("the peer died in step 6's backward")
+        loss.backward()
+        if fail_at is not None and ckpt.step_count + 1 == fail_at:
+            def torn_step():
+                with torch.no_grad():
+                    next(iter(model.parameters())).add_(1.0)   # one tensor updated, then the error
+                raise Boom("the peer died in the update")
+            opt.step = torn_step
+        ckpt.step(opt)
+        opt.zero_grad()
+        sched.step()
+
+
+def _fingerprint(objs):
+    model, opt, sched, loader, ckpt = objs
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()],
+            "lr": sched.get_last_lr(), "data": loader.state_dict(), "torch_rng": torch.get_rng_state().clone(),
+            "np": np.random.get_state()[1].copy(), "py": random.getstate()}
+
+
+def _same(a, b):
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for x, y in zip(a["momentum"], b["momentum"]):
+        assert torch.equal(x, y)
+    assert a["lr"] == b["lr"] and a["data"] == b["data"] and torch.equal(a["torch_rng"], b["torch_rng"])
+    assert (a["np"] == b["np"]).all() and a["py"] == b["py"]
+
+
+def test_the_live_state_of_the_last_step_resumes_bit_for_bit(tmp_path):
+    ref = _objects(f"file://{tmp_path}/ref")
+    _train(ref, STEPS)
+    want = _fingerprint(ref)
+    ref[-1].close()
+
+    url = f"file://{tmp_path}/run"
+    run = _objects(url, every=4)
+    with pytest.raises(Boom):
+        _train(run, STEPS, fail_at=FAIL_AT)
+    ckpt = run[-1]
+    assert ckpt.step_count == FAIL_AT - 1 and ckpt.save_live(timeout_s=30) == FAIL_AT - 1
+    ckpt.abandon()
+    assert (tmp_path / "run" / step_dir(FAIL_AT - 1)).is_dir()
+
+    again = _objects(url, every=4)
+    assert again[-1].restore() == FAIL_AT - 1
+    _train(again, STEPS)
+    _same(_fingerprint(again), want)
+    again[-1].close()
+
+
+def test_a_failure_inside_the_update_writes_nothing(tmp_path, caplog):
+    run = _objects(f"file://{tmp_path}/run")
+    with pytest.raises(Boom):
+        _train(run, STEPS, fail_at=FAIL_AT, fail_in_update=True)
+    with caplog.at_level("INFO", logger="cfdist.checkpointer"):
+        assert run[-1].save_live(timeout_s=30) is None
+    assert "inside step 6's optimizer update" in caplog.text
+    run[-1].abandon()
+    assert not (tmp_path / "run" / step_dir(FAIL_AT - 1)).exists()
+
+
+def test_a_step_on_storage_already_is_not_written_again(tmp_path, caplog):
+    url = f"file://{tmp_path}/run"
+    run = _objects(url, every=5)     # step 5 is a regular checkpoint
+    with pytest.raises(Boom):
+        _train(run, STEPS, fail_at=FAIL_AT)
+    with caplog.at_level("INFO", logger="cfdist.checkpointer"):
+        assert run[-1].save_live(timeout_s=30) is None
+    assert "step 5 is on storage already" in caplog.text
+    run[-1].abandon()
+
+
+def test_save_live_without_the_live_option_says_what_to_change(tmp_path):
+    run = _objects(f"file://{tmp_path}/run", live=False)
+    _train(run, 2)
+    with pytest.raises(RuntimeError, match=r"GroupOptions\(live=True\)"):
+        run[-1].save_live()
+    run[-1].close()
