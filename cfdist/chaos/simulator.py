@@ -409,6 +409,7 @@ class _Run:
     def apply(self, t: float, group: list[FailureEvent]) -> None:
         """All events of one instant ``t``."""
         self._advance(t)
+        self._up_before = list(self.up)   # a return in the same instant does not undo a preemption's loss
         hits = []
         for e in group:
             if e.kind == "return":
@@ -460,7 +461,9 @@ class _Run:
         """Whether a rank holding the live state is left after ``hits`` (a crash takes one rank;
         a preemption its node, already marked down in ``up``)."""
         per_node = self.replicas // self.nodes
-        return sum(self.up) * per_node - sum(1 for e in hits if e.kind == "crash") > 0
+        taken = {e.node for e in hits if e.kind == "preempt"}
+        running = sum(1 for i, u in enumerate(self._up_before) if u and i not in taken)
+        return running * per_node - sum(1 for e in hits if e.kind == "crash") > 0
 
     def finish(self, horizon: float) -> int:
         """Close the books at ``horizon``; returns the progress then."""

@@ -94,7 +94,8 @@ class PlanRow:
         tiers = {"local_tier": c.tiers == "local", "shared_every": c.shared_every if c.tiers == "local" else 1,
                  "peer_copy": c.recovery == "peer"}
         return {"num_nodes": c.nodes, "workers_per_node": self.ranks_per_node, "policy": policy, "k": self.k,
-                "tiers": tiers, "capacity": c.capacity, "codec": c.codec, "codec_ratio": c.codec_ratio}
+                "tiers": tiers, "recovery": {"live_recovery": c.live}, "capacity": c.capacity, "codec": c.codec,
+                "codec_ratio": c.codec_ratio}
 
     mtbf_s: float = math.inf
     """The job's MTBF on this many nodes (what ``auto-mtbf`` used)."""
@@ -155,9 +156,11 @@ class PlanResult:
 
 
 def grid(job: Job, *, every: Sequence[int] = DEFAULT_EVERY, tiers: Sequence[str] = ("local", "shared"),
-         peer_copy: Sequence[bool] = (True, False), codecs: dict[str, float] | None = None,
-         capacities: Sequence[str] = ("spot", "on-demand"), shared_every: int = 10) -> list[Candidate]:
-    """The candidates: policies x tiers x peer copy x codecs x nodes x capacity."""
+         peer_copy: Sequence[bool] = (True, False), live: Sequence[bool] = (True, False),
+         codecs: dict[str, float] | None = None, capacities: Sequence[str] = ("spot", "on-demand"),
+         shared_every: int = 10) -> list[Candidate]:
+    """The candidates: policies x tiers x peer copy x live recovery (with peer copy) x codecs x
+    nodes x capacity."""
     policies = [f"every:{k}" for k in every if k <= job.steps] + ["auto", "auto-mtbf"]
     out = []
     for cap in capacities:
@@ -165,9 +168,11 @@ def grid(job: Job, *, every: Sequence[int] = DEFAULT_EVERY, tiers: Sequence[str]
             for codec, ratio in (codecs or {"none": 1.0}).items():
                 for t in tiers:
                     for peer in (peer_copy if t == "local" and n > 1 else (False,)):
-                        for p in policies:
-                            out.append(Candidate(policy=p, tiers=t, peer_copy=peer, shared_every=shared_every,
-                                                 codec=codec, codec_ratio=ratio, nodes=n, capacity=cap))
+                        for lv in (live if peer else (False,)):
+                            for p in policies:
+                                out.append(Candidate(policy=p, tiers=t, peer_copy=peer, live=lv,
+                                                     shared_every=shared_every, codec=codec, codec_ratio=ratio,
+                                                     nodes=n, capacity=cap))
     return out
 
 

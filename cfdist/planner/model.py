@@ -13,8 +13,12 @@ Assumptions (each one is also in ``docs/planning.md``):
 - **Tiers**: ``local`` commits each checkpoint to node-local disk (``persist_s``) and copies
   every ``shared_every``-th to shared storage; ``shared`` (``local_tier: false``) commits every
   checkpoint to shared storage (``state bytes / shared bandwidth``).
-- **Peer copy** (live recovery, ``tiers.peer_copy``): a lost node's replacement copies the newest
-  checkpoint from a survivor (``bytes / peer bandwidth``), so the job rolls back to it. Without
+- **Peer copy** (``tiers.peer_copy``): a lost node's replacement copies the newest checkpoint
+  from a survivor (``bytes / peer bandwidth``), so the job rolls back to it.
+- **Live recovery** (``recovery.live_recovery``, with peer copy on two or more nodes): a
+  preemption that leaves a node running loses only the step in progress (the survivors write
+  their live state, the replacement copies it); one that takes every node rolls back to the
+  newest checkpoint as without it. Without
   it, the replacement reads shared storage, so the job rolls back to the newest *shared*
   checkpoint: simulated as checkpoints every ``k * shared_every`` steps, the stalls of the
   other checkpoints spread over the steps (each step ``stall_s / k`` longer; the same stall per
@@ -70,7 +74,11 @@ class Candidate:
     tiers: str = "local"
     """``"local"`` (node-local disk, shared copy every ``shared_every``) or ``"shared"``."""
     peer_copy: bool = True
-    """Live recovery: a replacement node copies a survivor's checkpoint (``local`` tiers only)."""
+    """A replacement node copies a survivor's checkpoint (``local`` tiers only)."""
+    live: bool = False
+    """Live recovery (``cfdist.fit``'s ``live_recovery``): a preemption that leaves a node loses
+    only the step in progress. Needs peer copy and two or more nodes (the replacement copies
+    the survivors' live state)."""
     shared_every: int = 10
     """Every n-th checkpoint goes to shared storage (``local`` tiers)."""
     codec: str = "none"
@@ -95,6 +103,9 @@ class Candidate:
                              f"got {self.codec_ratio!r}")
         if not isinstance(self.shared_every, int) or self.shared_every < 1:
             raise ValueError(f"shared_every must be an int >= 1, got {self.shared_every!r}")
+        if self.live and self.recovery != "peer":
+            raise ValueError("live recovery needs a survivor to copy from: local tiers with peer copy on 2 or more "
+                             f"nodes (got tiers={self.tiers!r}, peer_copy={self.peer_copy}, nodes={self.nodes})")
 
     @property
     def recovery(self) -> str:
@@ -104,7 +115,7 @@ class Candidate:
     @property
     def name(self) -> str:
         """Short unique label: ``spot n=4 every:200 local+peer``."""
-        tiers = f"local+peer" if self.recovery == "peer" else self.tiers
+        tiers = ("local+peer+live" if self.live else "local+peer") if self.recovery == "peer" else self.tiers
         codec = "" if self.codec == "none" else f" {self.codec}"
         return f"{self.capacity} n={self.nodes} {self.policy} {tiers}{codec}"
 
@@ -127,6 +138,8 @@ class Model:
     """Persisted size of one checkpoint, GB (1e9 bytes)."""
     k_reason: str
     """Why that k."""
+    live: bool = False
+    """Live recovery: a failure that leaves a node restores the last completed step."""
 
 
 def candidate_costs(job: Job, cand: Candidate, *, mtbf_s: float) -> Model:
@@ -164,7 +177,7 @@ def candidate_costs(job: Job, cand: Candidate, *, mtbf_s: float) -> Model:
                       preempt_restart_s=job.restart_s + up)
         k_sim = k * every
     return Model(costs=costs, k=k, k_sim=k_sim, iter_s=iter_s, shared_read_s=up, checkpoint_gb=nbytes / 1e9,
-                 k_reason=reason)
+                 k_reason=reason, live=cand.live)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,7 +218,7 @@ def finish_time(r: SimResult, *, costs: Costs, k: int, target: int) -> float | N
 
 
 def _simulate(events: list[FailureEvent], m: Model, nodes: int, horizon_s: float) -> SimResult:
-    return simulate(events, FixedK(k=m.k_sim), costs=m.costs, nodes=nodes, horizon_s=horizon_s)
+    return simulate(events, FixedK(k=m.k_sim), costs=m.costs, nodes=nodes, horizon_s=horizon_s, live=m.live)
 
 
 def _grow(events_for, m: Model, nodes: int, target: int, decide):

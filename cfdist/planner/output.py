@@ -74,7 +74,8 @@ def python_snippet(row: PlanRow) -> str:
             f"cfdist.fit(train_loop, storage=..., shared_storage=...,\n"
             f"           num_nodes={s['num_nodes']}, workers_per_node={s['workers_per_node']}, policy={pol},\n"
             f"           tiers=cfdist.TierOptions(local_tier={t['local_tier']}, shared_every={t['shared_every']}, "
-            f"peer_copy={t['peer_copy']}))")
+            f"peer_copy={t['peer_copy']}),\n"
+            f"           recovery=cfdist.RecoveryOptions(live_recovery={s['recovery']['live_recovery']}))")
 
 
 def fit_yaml(row: PlanRow) -> str:
@@ -88,7 +89,8 @@ def fit_yaml(row: PlanRow) -> str:
         lines.append(f"# codec {s['codec']!r}: pass codecs=[...] to ctx.checkpointer() in the training function")
     lines += [f"num_nodes: {s['num_nodes']}", f"workers_per_node: {s['workers_per_node']}", f"policy: {pol}",
               f"tiers: {{local_tier: {str(t['local_tier']).lower()}, shared_every: {t['shared_every']}, "
-              f"peer_copy: {str(t['peer_copy']).lower()}}}"]
+              f"peer_copy: {str(t['peer_copy']).lower()}}}",
+              f"recovery: {{live_recovery: {str(s['recovery']['live_recovery']).lower()}}}"]
     return "\n".join(lines) + "\n"
 
 

@@ -65,6 +65,15 @@ CASES = [
     # on-demand: nothing fails, billed at the on-demand price
     ("on-demand", {}, Candidate(policy="every:100", nodes=2, capacity="on-demand"), preempt(550.0),
      (1000.0, 0.0, 2000.0, 0.0)),
+    # live recovery: node 1 survives the preemption at 550 s with step 550 done (1 s steps, no
+    # stall); detect 5 + restart 10 + restore 2: resumes at 567 from 550, ends at 1017; nothing lost
+    ("live: only the step in progress", {}, Candidate(policy="every:100", nodes=2, live=True), preempt(550.0),
+     (1017.0, 2034.0, 0.0, 0.0)),
+    # live recovery, but both nodes go at 550 s: no survivor, back to the step-500 checkpoint
+    # (resume 567, end 1067, 50 steps lost), plus the rollback a failure of every node costs with
+    # peer copy: (shared_every 10 - 1) x k 100 / 2 = 450 s (nothing to download): ends at 1517
+    ("live, every node lost: back to the commit", {}, Candidate(policy="every:100", nodes=2, live=True),
+     preempt(550.0, node=0) + preempt(550.0, node=1), (1517.0, 3034.0, 0.0, 500.0)),
     # node 0 is gone for 300 s: detect 5, wait until 850, restart 10, restore 2: resumes at 862
     # from 500, ends at 1362; billed while up: node 1 1362 s, node 0 550 s + (1362 - 850) s
     ("slow return", {}, Candidate(policy="every:100", nodes=2), preempt(550.0, back=850.0),
@@ -166,3 +175,9 @@ def test_plan_sorts_by_dollars_and_refuses_an_impossible_deadline():
     assert result.rows[0].to_json()["p90_hours"] == pytest.approx(1067.0 / 3600)
     with pytest.raises(ValueError, match="impossible deadline"):
         plan(j, failures=none, prices=PRICES, candidates=cands, deadline_h=0.1)
+
+
+def test_live_recovery_needs_a_survivor_to_copy_from():
+    for cand in (dict(nodes=1), dict(nodes=2, peer_copy=False), dict(nodes=2, tiers="shared")):
+        with pytest.raises(ValueError, match="live recovery needs a survivor"):
+            Candidate(policy="every:100", live=True, **cand)
