@@ -21,6 +21,8 @@ directory), one DDP job (an MLP, gloo, 1 rank per node) runs:
    split from the event log by :func:`cfdist.chaos.metrics.recovery_phases` into detect,
    restart (spawn: starting or taking warm spare processes; rendezvous), restore (setup: the
    training function until its ``restore()``; load) and first step; the table shows medians.
+   ``cfdist.fit``'s default live recovery is on (a failure with a survivor restores the
+   survivor's last step); ``--rollback`` also runs every tier with it off, in the same program.
 
 Everything runs in this one program at the same moment, so the ratios compare like with like.
 Results also go to ``bench/results/recovery.json``.
@@ -132,6 +134,8 @@ def main(argv=None) -> int:
                         "in which the replaced spares warm up again")
     p.add_argument("--tiers", nargs="+", default=["memory", "peer"], choices=["memory", "local", "peer", "shared"])
     p.add_argument("--memory-every", type=int, default=None, help="memory snapshot every n steps (fit option)")
+    p.add_argument("--rollback", action="store_true",
+                   help="also run each tier with live recovery off (every failure rolls back to the newest commit)")
     p.add_argument("--out", default=None, help="working directory (default: a temp dir, removed)")
     a = p.parse_args(argv)
 
@@ -202,13 +206,16 @@ def main(argv=None) -> int:
             if a.memory_every:
                 extra = {t: {**kw, "memory_every": a.memory_every} for t, kw in extra.items()}
             out["recovery"] = {}
-            for tier in a.tiers:
+            modes = [(t, True) for t in a.tiers] + ([(t, False) for t in a.tiers] if a.rollback else [])
+            for tier, live in modes:
                 first = a.gap
                 steps = first + a.failures * a.gap + 5
-                res, recs = run(f"fail-{tier}", policy=cfdist.Every(a.every), steps=steps,
-                                schedule=_schedule(tier, a.failures, a.gap, first), **extra[tier])
+                label = tier if live else f"{tier} (rollback)"
+                res, recs = run(f"fail-{tier}{'' if live else '-rollback'}", policy=cfdist.Every(a.every), steps=steps,
+                                schedule=_schedule(tier, a.failures, a.gap, first),
+                                recovery=cfdist.RecoveryOptions(live_recovery=live), **extra[tier])
                 phases = recovery_phases(recs)
-                out["recovery"][tier] = {
+                out["recovery"][label] = {
                     "n": len(phases), "restored_from": sorted({ph["tier"] for ph in phases}),
                     "lost_iters": res.lost_iterations, "reused": [ph["reused"] for ph in phases],
                     "recycled": [ph["recycled"] for ph in phases],
