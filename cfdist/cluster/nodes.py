@@ -29,6 +29,30 @@ class NodeInfo:
     """Cloud whose preemption notices the node polls (label ``cfdist-notices``), or None."""
 
 
+def unreachable(endpoints: dict[str, tuple[str, int]], timeout_s: float = 0.5) -> set[str]:
+    """Which nodes' raylets refuse or do not answer a TCP connection within ``timeout_s``:
+    ``{node_id: (address, port)}`` -> the node ids that are gone.
+
+    A lost node is seen here in milliseconds (its port refuses, or its host is gone), while Ray
+    marks it dead only after its health checks fail (seconds; 15 s with Ray's defaults). A live
+    raylet's kernel accepts the connection however busy the process is. Probes run in parallel."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    def gone(addr: tuple[str, int]) -> bool:
+        try:
+            socket.create_connection(addr, timeout=timeout_s).close()
+            return False
+        except OSError:   # refused, unreachable, or no answer in time
+            return True
+
+    if not endpoints:
+        return set()
+    with ThreadPoolExecutor(max_workers=min(16, len(endpoints))) as pool:
+        verdicts = dict(zip(endpoints, pool.map(gone, endpoints.values())))
+    return {nid for nid, dead in verdicts.items() if dead}
+
+
 def fits(config: FitConfig, cpus: float, gpus: float) -> bool:
     """Whether a node with these total resources can host one node's ranks. Pure."""
     need_cpu = config.workers_per_node * config.cpus_per_worker

@@ -151,11 +151,23 @@ class RayBackend:
             raise NodeLost(f"node actor(s) could not start on {', '.join(lost)}; nodes Ray reports dead are "
                            f"excluded, the others are tried again")
 
+    def unreachable(self, node_ids) -> set[str]:
+        """Of ``node_ids``, those whose raylet no longer accepts a connection
+        (:func:`cfdist.cluster.nodes.unreachable`: milliseconds, where Ray takes seconds to
+        declare the node dead)."""
+        want = set(node_ids)
+        eps = {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in ray.nodes()
+               if n["NodeID"] in want and n.get("Alive") and n.get("NodeManagerPort")}
+        gone = {nid for nid in want if nid not in eps and nid not in self.excluded}   # Ray says dead already
+        return gone | nodes_mod.unreachable(eps)
+
     def lost_nodes(self, nodes: list[NodeInfo], timeout_s: float = 10.0) -> set[str]:
-        """Which of ``nodes`` are gone: Ray says dead, or their node actor does not answer
-        (a node killed without notice looks alive to Ray until its heartbeats time out)."""
+        """Which of ``nodes`` are gone: Ray says dead, their raylet refuses connections (a
+        node killed without notice looks alive to Ray until its health checks fail), or their
+        node actor does not answer."""
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         lost = {n.node_id for n in nodes if n.node_id not in alive or n.node_id in self.excluded}
+        lost |= self.unreachable([n.node_id for n in nodes if n.node_id not in lost])
         refs = {n.node_id: self.actors[n.node_id].ready.remote() for n in nodes
                 if n.node_id not in lost and n.node_id in self.actors}
         by_id = {n.node_id: n for n in nodes}
@@ -371,7 +383,8 @@ class RayBackend:
             self._refill_spares(nodes, warm=False)
         group = RayWorkerGroup(config=self.config, nodes=nodes, node_actors=[self.actors[n.node_id] for n in nodes],
                                tiers=[self.tiers[n.node_id] for n in nodes], attempt=attempt,
-                               train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares)
+                               train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares,
+                               unreachable=self.unreachable)
         group.recycled = recycled
         try:
             self.last_restart_s = group.start()

@@ -31,6 +31,9 @@ _RemoteWorker = ray.remote(RankWorker)
 _ASK_S = 0.2
 """How long a running rank has to answer whether it is writing its live state (a live rank
 answers in milliseconds; one on a lost node never does)."""
+_PROBE_AFTER_S = 0.05
+"""After a first error, how long the other ranks get before the nodes of those still running
+are probed (most outcomes are in by then)."""
 _SETTLE_S = 1.0
 """After a first error, how long to wait for the other ranks' outcomes (to classify the failure:
 a surviving rank's collective error usually follows its peer's death within milliseconds)."""
@@ -40,8 +43,13 @@ class RayWorkerGroup:
     """The ranks of one attempt. ``start()`` blocks until every rank runs the training function."""
 
     def __init__(self, *, config: FitConfig, nodes: list[NodeInfo], node_actors: list, tiers: list[dict],
-                 attempt: int, train_fn, policy, choice: RestoreChoice, spares: dict | None = None):
+                 attempt: int, train_fn, policy, choice: RestoreChoice, spares: dict | None = None,
+                 unreachable=None):
         self.config = config
+        self._unreachable = unreachable
+        self._gone: set[str] = set()   # nodes whose raylet was found gone after a failure
+        """``node_ids -> the gone ones`` (the backend's raylet probe), or None: after a failure
+        the poll stops waiting for ranks of a node already gone."""
         self.nodes = nodes
         self.world_size = len(nodes) * config.workers_per_node
         self._node_actors = node_actors
@@ -112,12 +120,32 @@ class RayWorkerGroup:
                 left = [self._refs[r] for r in pending if r not in self._results
                         and not any(e.rank == r for e in self._errors)]
                 if left:
-                    ready, _ = ray.wait(left, num_returns=len(left), timeout=_SETTLE_S)
-                    self._collect(ready)
+                    self._settle(left)
                 self._wait_live_saves(pending)
         records = self._drain(0)
         return GroupStatus(finished=len(self._results) == len(self.workers), errors=list(self._errors),
                            results=dict(self._results), records=records)
+
+    def _settle(self, left: list) -> None:
+        """After a first error: wait up to ``_SETTLE_S`` for the other ranks' outcomes (a
+        survivor's collective error follows its peer's death within milliseconds), but not for
+        ranks of a node whose raylet is gone: Ray reports them dead only once its health checks
+        fail, seconds later."""
+        deadline = time.monotonic() + _SETTLE_S
+        ready, left = ray.wait(left, num_returns=len(left), timeout=min(_PROBE_AFTER_S, _SETTLE_S))
+        self._collect(ready)
+        if left and self._unreachable is not None:
+            by_ref = {ref: r for r, ref in self._refs.items()}
+            try:
+                gone = self._unreachable({self._node_of(by_ref[ref]) for ref in left})
+            except Exception as e:  # noqa: BLE001 - an optimisation: fall back on waiting
+                log.info("could not probe the nodes' raylets (%s); waiting for the ranks instead", e)
+                gone = set()
+            self._gone |= gone
+            left = [ref for ref in left if self._node_of(by_ref[ref]) not in gone]
+        if left:
+            ready, _ = ray.wait(left, num_returns=len(left), timeout=max(0.0, deadline - time.monotonic()))
+            self._collect(ready)
 
     def _wait_live_saves(self, pending: list[int]) -> None:
         """After a failure: the ranks still running that are writing their live state
@@ -125,11 +153,14 @@ class RayWorkerGroup:
         decision must see the step they write. The others (hung, or on a lost node) are not."""
         if not self.config.live_recovery:
             return
-        left = [r for r in pending if r not in self._results and not any(e.rank == r for e in self._errors)]
+        left = [r for r in pending if r not in self._results and not any(e.rank == r for e in self._errors)
+                and self._node_of(r) not in self._gone]
         if not left:
             return
         asks = {r: self.workers[r].live_saving.remote() for r in left}
-        ready, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=_ASK_S)
+        ready, unanswered = ray.wait(list(asks.values()), num_returns=len(asks), timeout=_ASK_S)
+        if unanswered:   # a rank that died: read its answer later, or Ray prints the error unread
+            _read_in_background(unanswered)
         saving = []
         for r, ref in asks.items():
             try:
