@@ -291,7 +291,9 @@ class Checkpointer:
             rank=self.rank, world_size=self.world_size, state_bytes=nbytes, device=device,
             batch_size=getattr(loader, "batch_size", None),
             iters_per_epoch=len(loader) if loader is not None and hasattr(loader, "__len__") else None,
-            cached_profile=None, failure_times_s=[r["time"] for r in hist.get("restarts", [])],
+            # restarts from a survivor's live state rolled nothing back: not the failures an
+            # interval answers to (with live recovery, those that take every replica)
+            cached_profile=None, failure_times_s=[r["time"] for r in hist.get("restarts", []) if not r.get("live")],
             now_s=self._bound_at, started_s=hist.get("started"), state_signature=signature,
             buffers=self.config.buffers,
         )
@@ -897,7 +899,7 @@ class Checkpointer:
         self._note_rollback(found, rejected, cands, asked=step is not None)
         if self._latest is None or c.tier == 0:   # a restore may roll back past newer steps
             self._set_latest(c.step if c.tier == 0 else self._latest, newer_only=False)
-        self._record_restart(c.step)
+        self._record_restart(c.step, live=bool(found.manifest.get("live")))
         log.info("restored step %d from %s", c.step, f"tier {c.tier}" if c.tier < len(self.tiers) else
                  "a peer rank's copy")
         return c.step
@@ -931,11 +933,14 @@ class Checkpointer:
         except OSError as e:
             log.warning("could not record the run's start in %s: %s", self.storages[0].url, e)
 
-    def _record_restart(self, step: int) -> None:
+    def _record_restart(self, step: int, *, live: bool = False) -> None:
+        """Add a restart to the run's history; ``live``: it restored a survivor's live state
+        (:mod:`cfdist.checkpoint.live`), so it rolled nothing back and ``Auto`` leaves it out of
+        the failure rate its interval answers to."""
         if not self._commits:
             return
         hist = self._read_json(HISTORY) or {"restarts": []}
-        hist["restarts"].append({"time": time.time(), "step": step})
+        hist["restarts"].append({"time": time.time(), "step": step, **({"live": True} if live else {})})
         try:
             self.storages[0].write_atomic(HISTORY, json.dumps(hist).encode())
         except OSError as e:

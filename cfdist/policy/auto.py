@@ -48,7 +48,9 @@ class AutoConfig:
     """Budget p: the fraction of training time checkpointing may cost (0.035 = 3.5%)."""
     mtbf_s: float | None = None
     """Mean time between failures in seconds; None = estimate it from this run's restarts (or
-    ignore failures when there are none yet)."""
+    ignore failures when there are none yet). Restarts from a survivor's live state (live
+    recovery) rolled nothing back and are left out: with live recovery the interval answers to
+    the failures that take every replica; give their MTBF here if you know it."""
     profile_steps: int | None = None
     """Length of the profiling phase; None = ``min(1% of an epoch, 50)``, at least 10."""
     at_epoch_end: bool = True

@@ -135,3 +135,28 @@ def test_save_live_without_the_live_option_says_what_to_change(tmp_path):
     with pytest.raises(RuntimeError, match=r"GroupOptions\(live=True\)"):
         run[-1].save_live()
     run[-1].close()
+
+
+def test_a_restart_from_the_live_state_is_not_a_failure_autos_interval_answers_to(tmp_path):
+    """The history records the restart as live; ``Auto`` estimates its MTBF from the restarts
+    that rolled back only (with live recovery: the failures that took every replica)."""
+    import json
+
+    url = f"file://{tmp_path}/run"
+    run = _objects(url, every=4)
+    with pytest.raises(Boom):
+        _train(run, STEPS, fail_at=FAIL_AT)
+    assert run[-1].save_live(timeout_s=30) == FAIL_AT - 1
+    run[-1].abandon()
+    again = _objects(url, every=4)
+    assert again[-1].restore() == FAIL_AT - 1
+    again[-1].close()
+    restarts = json.load(open(tmp_path / "run" / "history.json"))["restarts"]
+    assert restarts[-1]["step"] == FAIL_AT - 1 and restarts[-1]["live"] is True
+
+    model, opt, sched, loader, _ = _objects(f"file://{tmp_path}/other")
+    auto = cfdist.Auto()
+    ckpt = cfdist.Checkpointer({"model": model, "opt": opt, "sched": sched, "data": loader}, url, auto,
+                               group=cfdist.GroupOptions(live=True))
+    assert auto.ctx.failure_times_s == [], auto.ctx.failure_times_s
+    ckpt.close()
