@@ -249,7 +249,8 @@ def commit_spans(records: Iterable[dict]) -> list[tuple[float, float]]:
     """``(t of the step record, t of its first checkpoint_committed)`` per commit, in log order.
 
     A step executed again after a restore counts again (measured from its new ``step`` record).
-    Commits of steps without a ``step`` record (e.g. before the log started) are skipped.
+    Commits of steps without a ``step`` record (e.g. before the log started) are skipped, and so
+    are a survivor's live saves after a failure (``live``: not a checkpoint the policy took).
     """
     step_t: dict[int, float] = {}
     done: set[tuple[int, float]] = set()
@@ -257,7 +258,7 @@ def commit_spans(records: Iterable[dict]) -> list[tuple[float, float]]:
     for r in records:
         if r.get("event") == "step":
             step_t[r["step"]] = r["t"]
-        elif r.get("event") == "checkpoint_committed" and r.get("step") in step_t:
+        elif r.get("event") == "checkpoint_committed" and r.get("step") in step_t and not r.get("live"):
             key = (r["step"], step_t[r["step"]])
             if key not in done:
                 done.add(key)

@@ -211,7 +211,8 @@ class Controller:
                        key=lambda x: (x[0], x[1]))
         for _, is_commit, r in items:
             if is_commit:
-                self._refill_spares()
+                if not r.get("live"):   # a survivor's live save comes with a failure: no spare starts then
+                    self._refill_spares()
                 resize = self._on_commit(st, r) or resize
                 continue
             kind = r.get("type")
@@ -270,9 +271,10 @@ class Controller:
         self._committed.add(key)
         node = st.group.node_rank_of(c.get("node_id")) if hasattr(st.group, "node_rank_of") else None
         who = {"writers": c["writers"], "writer_nodes": c.get("nodes")} if "writers" in c else {}   # shared tier
+        live = {"live": True} if c.get("live") else {}
         self.events.emit("checkpoint_committed", t=c["t"], step=c["step"], tier=c["tier"], node=node,
-                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who)
-        if self._grow_to is None or c["step"] < self._grow_step:
+                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who, **live)
+        if self._grow_to is None or c["step"] < self._grow_step or live:
             return None
         self.events.emit("resize", step=c["step"], world_size=st.group.world_size,
                          nodes=len(st.group.nodes), to_nodes=self._grow_to)

@@ -282,7 +282,7 @@ class NodeCheckpointer:
                 info = write_checkpoint(sts, jb)
                 infos.append(info)
                 self._event("checkpoint_committed", step=job.step, tier=tier, bytes=info.bytes,
-                            persist_s=round(info.seconds, 6))
+                            persist_s=round(info.seconds, 6), **({"live": True} if job.manifest.get("live") else {}))
             self._commits += to_disk
             share = to_disk and self._shared_writer and self.shared is not None and (
                 self._commits % self.config.shared_every == 0)

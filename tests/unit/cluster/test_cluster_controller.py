@@ -321,3 +321,25 @@ def test_a_group_that_cannot_start_is_a_failure_named_with_its_cause_and_the_run
     (d,) = [e for e in ev.of("decision") if e["what"] == "failure"]
     assert "SystemError" in d["message"] and "ConnectionError: the raylet refused the lease" in d["message"], d
     assert any(r.exc_info and r.exc_info[0] is SystemError for r in caplog.records), caplog.records
+
+
+def test_a_live_save_commit_starts_no_spare_and_triggers_no_resize():
+    """A survivor's live save commits while its group fails: logged (``live``), but it does not
+    start the replacement spares (they would compete with the restart for the CPUs) the way a
+    regular commit does, nor count as the checkpoint a planned grow waits for."""
+    clock = Clock()
+    refills = []
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1001, 1)]), GroupStatus(records=[step_rec(1002, 2)]),
+                              GroupStatus(records=[step_rec(1003, 3)]),
+                              GroupStatus(finished=True, results={0: {"final_step": 3}})]])
+    be.refill_spares = lambda: refills.append(clock())
+    ctl, ev = make(be, clock)
+    ctl.step()                                                    # the group starts
+    ctl.step()                                                    # step 1
+    ctl._grow_to, ctl._grow_step = 3, 2                           # a grow planned at the next commit
+    be.commits = [{"t": 1002.5, "step": 2, "tier": "memory", "node_id": N[0].node_id, "live": True}]
+    ctl.step()
+    assert refills == [] and ev.of("checkpoint_committed")[-1]["live"] is True and not ev.of("resize")
+    be.commits = [{"t": 1003.5, "step": 3, "tier": "memory", "node_id": N[0].node_id}]
+    ctl.step()
+    assert len(refills) == 1 and "live" not in ev.of("checkpoint_committed")[-1] and ev.of("resize")
