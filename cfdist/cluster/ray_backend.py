@@ -298,9 +298,10 @@ class RayBackend:
         except Exception:  # noqa: BLE001 - already gone with its node
             pass
 
-    def _ask_all(self, method: str, *args, timeout: float = _CALL_S, **kwargs) -> dict[str, object]:
-        """Call ``method`` on every known actor; forget the ones that are gone."""
-        refs = {nid: getattr(a, method).remote(*args, **kwargs) for nid, a in self.actors.items()}
+    def _ask_all(self, method: str, *args, timeout: float = _CALL_S, skip=frozenset(), **kwargs) -> dict[str, object]:
+        """Call ``method`` on every known actor but those of the nodes in ``skip``; forget the
+        ones that are gone."""
+        refs = {nid: getattr(a, method).remote(*args, **kwargs) for nid, a in self.actors.items() if nid not in skip}
         out = {}
         for nid, ref in refs.items():
             try:
@@ -407,7 +408,9 @@ class RayBackend:
 
     def drain_commits(self) -> list[dict]:
         out = []
-        for evs in self._ask_all("drain_events", timeout=10).values():
+        # not the actors of a node the group found gone: a call to one waits for Ray to give up
+        gone = getattr(self.group, "_gone", set()) if self.group is not None else set()
+        for evs in self._ask_all("drain_events", timeout=10, skip=frozenset(gone)).values():
             out += [e for e in evs if e["event"] == "checkpoint_committed"]
             self._notices += [e for e in evs if e["event"] == "preemption_notice"]
         return sorted(out, key=lambda e: e["t"])
