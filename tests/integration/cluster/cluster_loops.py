@@ -59,6 +59,11 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
     log.write(json.dumps({"restored": ckpt.step_count, "world_size": ctx.world_size}) + "\n")
     while ckpt.step_count < steps:
         for x, y, idx in loader:
+            # the batch, before its step: a rank killed after the step's all-reduce (its gradient
+            # is in the update the survivors keep) but before its log line still shows what it used
+            log.write(json.dumps({"fetched": ckpt.step_count + 1, "epoch": loader.epoch, "ids": idx.tolist(),
+                                  "pad": loader.last_batch_is_padding}) + "\n")
+            log.flush()
             torch.nn.functional.mse_loss(model(x), y).backward()
             ckpt.step(opt)
             opt.zero_grad()
@@ -94,19 +99,28 @@ def _wait_for_decision(event_log: str, what: str, timeout_s: float = 180.0) -> N
 
 def check_exactly_once(out_dir: str, final_step: int) -> dict[int, int]:
     """Replay the per-attempt logs: the step ``s`` that counts is the one of the last attempt
-    that executed it. Asserts each epoch's samples are all used exactly once (the last epoch
-    may be partial: no sample twice). Returns ``{epoch: samples used}``."""
+    that executed it. A rank of that attempt with no record of ``s`` (killed after the step's
+    all-reduce, before its log line) counts the batch it fetched for ``s`` when a later attempt
+    restored ``s`` or a newer step: the group completed ``s`` with that rank's gradient (live
+    recovery restores the survivors' last step). Asserts each epoch's samples are all used
+    exactly once (the last epoch may be partial: no sample twice). Returns ``{epoch: samples used}``."""
     attempts: dict[int, dict] = {}
     for path in glob.glob(os.path.join(out_dir, "a*-r*.jsonl")):
         a, r = map(int, re.match(r"a(\d+)-r(\d+)\.jsonl", os.path.basename(path)).groups())
         recs = [json.loads(line) for line in open(path) if line.strip()]
-        att = attempts.setdefault(a, {"restored": recs[0]["restored"], "steps": {}})
+        att = attempts.setdefault(a, {"restored": recs[0]["restored"], "steps": {}, "fetched": {}})
         for rec in recs[1:]:
-            att["steps"].setdefault(rec["step"], []).append(rec)
+            if "fetched" in rec:
+                att["fetched"].setdefault(rec["fetched"], {})[r] = rec
+            else:
+                att["steps"].setdefault(rec["step"], {})[r] = rec
     per_epoch: dict[int, Counter] = {}
     for s in range(1, final_step + 1):
         owner = max(a for a, att in attempts.items() if att["restored"] < s and s in att["steps"])
-        for rec in attempts[owner]["steps"][s]:
+        used = dict(attempts[owner]["fetched"].get(s, {}))
+        kept = any(att["restored"] >= s for a, att in attempts.items() if a > owner)
+        used = {r: rec for r, rec in used.items() if kept} | attempts[owner]["steps"][s]
+        for rec in used.values():
             if not rec["pad"]:
                 per_epoch.setdefault(rec["epoch"], Counter()).update(rec["ids"])
     epochs = sorted(per_epoch)
