@@ -97,7 +97,13 @@ def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp
         assert manifest, "the final checkpoint is missing"
         live_logs = [p for p in glob.glob(f"{result.log_dir}/rank-worker-*.log")
                      if f"wrote the live state of step {f.restored_step}" in open(p).read()]
-        assert live_logs, f"no rank log says it wrote the live state of step {f.restored_step}"
+        # On a loaded machine the kill can land after a checkpoint step (the schedule fires at
+        # step 10 or later): then that step's own checkpoint committed, and the live save
+        # rightly writes nothing ("on storage already").
+        committed = [r for r in _records(tmp_path / "crash.jsonl")
+                     if r["event"] == "checkpoint_committed" and r["step"] == f.restored_step]
+        assert live_logs or (f.restored_step % EVERY == 0 and committed), \
+            f"step {f.restored_step} was neither written from the live state (no rank log says so) nor committed"
     else:
         assert 0 < f.restored_step <= f.step and f.restored_step % EVERY == 0, f
     recs = _records(tmp_path / "crash.jsonl")
