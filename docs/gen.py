@@ -48,6 +48,7 @@ EXPLAINED = {
         "storage_options": "storage.md#object-stores-s3-gs-az",
         "codecs": "codecs.md",
         "buffers": "storage.md#double-buffering-buffers2",
+        "host_memory": "storage.md#a-host-memory-budget-host_memory",
         "writers": "training-loop.md#who-writes-writers",
         "persist": "api.md#cfdist.PersistOptions",
         "load": "api.md#cfdist.LoadOptions",

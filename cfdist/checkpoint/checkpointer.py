@@ -112,6 +112,9 @@ class Checkpointer:
             0..N-1 do); see :class:`CheckpointerConfig`.
         buffers: sets of snapshot buffers; 2 lets snapshot i+1 start while persist i still
             writes (double buffering, 2 x the state in host memory).
+        host_memory: a budget for the snapshots' host memory, bytes or a fraction of the state
+            (default None: ``buffers`` full copies); snapshots then stream through a bounded
+            pool of chunks into the persist (:mod:`cfdist.checkpoint.chunks`).
         codecs: ``cfdist.codecs`` objects that make checkpoints smaller (``Incremental``,
             ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
             the plain safetensors format.
@@ -138,7 +141,8 @@ class Checkpointer:
     Config = CheckpointerConfig
 
     def __init__(self, state: dict, storage, policy=None, *, keep: int = 2, keep_epoch_ends: int = 0,
-                 writers: str | int | bool = "node", buffers: int = 1, codecs=None, restore_from=None,
+                 writers: str | int | bool = "node", buffers: int = 1, host_memory: int | float | None = None,
+                 codecs=None, restore_from=None,
                  storage_options: dict | None = None, persist: PersistOptions | None = None,
                  load: LoadOptions | None = None, group: GroupOptions | None = None, **deprecated):
         writer = deprecated.pop("writer", None)
@@ -146,6 +150,7 @@ class Checkpointer:
         if writer is not None:
             writers = _legacy_writer(bool(writer), writers)
         self.config = CheckpointerConfig(keep=keep, keep_epoch_ends=keep_epoch_ends, writers=writers, buffers=buffers,
+                                         host_memory=host_memory,
                                          persist=groups["persist"] or PersistOptions(),
                                          load=groups["load"] or LoadOptions(), group=groups["group"] or GroupOptions())
         persist, grp = self.config.persist, self.config.group
@@ -186,8 +191,20 @@ class Checkpointer:
             slices=SliceCommit(self._channel, index=self.rank, writers=self._slicer.writers)
             if self._slicer is not None and self.writer else None)
         self._restores = 0
+        if host_memory is not None:
+            if self.backend.needs_shared_memory:
+                raise ValueError(f"host_memory= streams snapshots into an in-process writer; the "
+                                 f"{type(self.backend).__name__} reads full snapshots from shared memory: use "
+                                 f"PersistOptions(backend='thread') (the default) with a host-memory budget")
+            if codecs:
+                raise ValueError("host_memory= does not work with codecs yet: a codec encodes whole tensors before "
+                                 "the shard's header can be written, which needs the whole shard in memory; drop "
+                                 "one of the two")
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory,
-                                 buffers=self.config.buffers)
+                                 buffers=self.config.buffers, host_memory=host_memory,
+                                 whole_bytes=st.mutable_in_forward_bytes(state) if self.writer and host_memory else 0)
+        if host_memory is not None:   # the budgeted gate waits for chunks that only persists give back
+            self._snap.on_wait = self._expire_inflight
         if self.writer and persist.io == "direct":   # asked for explicitly: refuse where it cannot be had
             for st_ in self.storages:
                 if not st_.is_local:
@@ -425,6 +442,8 @@ class Checkpointer:
         if self._snap.copies != self._copies_reported:  # a copy finished since the last report
             self._copies_reported = self._snap.copies
             snapshot_s = self._snap.last_copy_s
+            if self._snap.host_memory is not None:
+                self._stats["snapshot_s"] += snapshot_s or 0.0
         self._policy.observe(StepMeasurement(
             step=self._step, iter_s=iter_s, stall_s=stall, update_s=update_s,
             snapshot_s=snapshot_s, snapshot_device=self._snap.last_device,
@@ -577,6 +596,7 @@ class Checkpointer:
         self._closed = True
         for h in self._hooks:
             h.remove()
+        self._snap.cancel()   # a budgeted copy whose persist will never run stops at its next chunk
         self._snap.close()
         self._pipeline.detach()
 
@@ -605,6 +625,10 @@ class Checkpointer:
             "inflight": sum(1 for p, _ in self._inflight if not p.done()), "io": s["io"],
             "files_reused": s["files_reused"],
         }
+        pool = self._snap.pool
+        if self.config.host_memory is not None:
+            out.update(host_memory=self.config.host_memory, chunk_bytes=pool.chunk_bytes if pool else None,
+                       chunk_waits=pool.waits if pool else 0, chunks_retired=pool.retired if pool else 0)
         out.update({k: v for k, v in self._policy.stats().items() if k not in ("checkpoints", "errors", "bytes")})
         return out
 
@@ -649,8 +673,9 @@ class Checkpointer:
                 tensors, first = self._slicer.select(tensors, first)
             self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu", first=first)
             self._pending["tensors"] = tensors
-            self._snap_host_future = self._snap._pool.submit(self._snap.stage_to_host)
-            self._snap_host_future.add_done_callback(lambda f: self._try_submit())
+            if self._snap.host_memory is None:   # budgeted: streamed, submitted at the boundary
+                self._snap_host_future = self._snap._pool.submit(self._snap.stage_to_host)
+                self._snap_host_future.add_done_callback(lambda f: self._try_submit())
         return stall
 
     def _free_arenas(self) -> int:
@@ -691,22 +716,25 @@ class Checkpointer:
             self._try_submit()
 
     def _try_submit(self) -> None:
-        """Submit the captured snapshot once its copy reached host memory.
+        """Submit the captured snapshot once its copy reached host memory (under a budget: at
+        the boundary, while it streams: the persist writes the windows as they are copied).
 
         Runs on the training thread and on the snapshot thread (when the copy finishes). Taking
         ``_ready`` and recording ``_inflight`` is one locked step: otherwise the training thread
         could see neither, start the next copy into arenas a persist is still reading, and
         drop that persist's handle (lost count, lost error).
         """
+        streamed = self._snap.host_memory is not None
         with self._lock:
             p, fut = self._ready, self._snap_host_future
-            if p is None or fut is None or not fut.done():
+            if p is None or (not streamed and (fut is None or not fut.done())):
                 return
             self._ready = None
-            if fut.exception() is not None:
+            if not streamed and fut.exception() is not None:
                 self._record_error(fut.exception(), p["step"])
                 return
-            self._stats["snapshot_s"] += self._snap.last_copy_s or 0.0
+            if not streamed:   # a budgeted copy is counted when the gate collects it
+                self._stats["snapshot_s"] += self._snap.last_copy_s or 0.0
             layout, host = self._snap.arenas(p["slot"])
             indexed = list(enumerate(layout))
             count = len(layout)
@@ -722,7 +750,8 @@ class Checkpointer:
                       for i, (g, es) in enumerate(indexed)]
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
-                             arenas=[a.buf for a in host], codecs=self.codecs, io=self.config.persist.io,
+                             arenas=None if streamed else [a.buf for a in host], streams=host if streamed else None,
+                             codecs=self.codecs, io=self.config.persist.io,
                              codec_session=self._codec_session, rolled_back=dict(self._rolled_back) or None)
             # non-blocking by the backend protocol
             self._inflight.append((self._pipeline.submit(job), p["slot"]))

@@ -155,6 +155,16 @@ class CheckpointerConfig:
     time, in step order. Host memory for snapshots: ``buffers`` x the state's tensor bytes
     (``stats["arena_bytes"]``); GPU snapshot memory stays 1 x. A failure can then lose the
     checkpoints of up to ``buffers`` intervals in flight: lost work <= (buffers + 1) x k."""
+    host_memory: int | float | None = None
+    """A host-memory budget for snapshots: bytes (int), or a fraction of the state's tensor
+    bytes (float in (0, 1]); None (default): full host copies, ``buffers`` x the state.
+    Under a budget a snapshot streams through a bounded pool of chunks into its persist
+    (:mod:`cfdist.checkpoint.chunks`): the copy of the later bytes waits for the writes of the
+    earlier ones, so with a budget ``B`` below the state's ``S`` bytes the next update waits
+    until ``S - B`` bytes reached storage (the stall's floor is ``(S - B) /`` write bandwidth).
+    The budget holds whatever ``buffers`` says (the persists in flight share it) and is per
+    writer process. The thread backend only, without codecs; the tensors the next forward
+    mutates (module buffers) are copied whole and count against it."""
     persist: PersistOptions = field(default_factory=PersistOptions)
     """How checkpoints are written: :class:`PersistOptions`."""
     load: LoadOptions = field(default_factory=LoadOptions)
@@ -171,6 +181,8 @@ class CheckpointerConfig:
         if not isinstance(self.buffers, int) or isinstance(self.buffers, bool) or not 1 <= self.buffers <= 4:
             raise ValueError(f"buffers must be an int in [1, 4] (sets of snapshot buffers: 2 lets a snapshot "
                              f"start while the previous persist still writes), got {self.buffers!r}")
+        from cfdist.checkpoint.chunks import check_budget
+        check_budget(self.host_memory)
         w = self.writers
         if not (w in ("node", "all") or isinstance(w, bool) or (isinstance(w, int) and w >= 1)):
             raise ValueError(f"writers must be 'node' (rank 0 writes the full state), True/False (this rank "

@@ -72,7 +72,7 @@ from cfdist.checkpoint.slices import SliceError
 from cfdist.checkpoint.snapshot import attach_arena
 from cfdist.storage import Storage, open_storages
 from cfdist.storage import direct as direct_io
-from cfdist.storage.direct import ALIGN, io_mode
+from cfdist.storage.direct import ALIGN, io_mode, writes_in_flight
 
 log = logging.getLogger("cfdist.persist")
 
@@ -108,6 +108,10 @@ class PersistJob:
     """How many of the most recent epoch-end checkpoints retention keeps (True: all)."""
     arenas: list[torch.Tensor] | None = field(default=None, repr=False)
     """In-process arenas (uint8 tensors); dropped when pickled."""
+    streams: list | None = field(default=None, repr=False)
+    """Instead of arenas, under a host-memory budget: one
+    :class:`~cfdist.checkpoint.chunks.ShardStream` per shard, whose windows the snapshot is
+    still copying while this job writes the first ones (in-process only)."""
     gate: "CommitGate | None" = None
     """Set by a backend that can give the write up: claimed by the writer before it commits."""
     rolled_back: dict[int, str] | None = None
@@ -142,9 +146,17 @@ class PersistJob:
     written under the final prefix, which a later clearing would delete."""
 
     def __getstate__(self):
+        if self.streams is not None:
+            raise TypeError("a PersistJob streamed through a host-memory budget is written in-process only")
         d = dict(self.__dict__)
         d["arenas"] = None
         return d
+
+    def close_streams(self, *, hung: bool = False) -> None:
+        """The persist ended: every chunk of its streams goes back to the pool (``hung``: a
+        writer given up may still read some; those are retired). No-op without streams."""
+        for s in self.streams or ():
+            s.close(hung=hung)
 
     @property
     def nbytes(self) -> int:
@@ -310,6 +322,34 @@ def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorE
         sums[e.name] = h.hexdigest()
 
 
+def _stream_chunks(header: bytes, stream, entries: list[TensorEntry], sums: dict, *, lag: int, check):
+    """The shard's bytes from a :class:`~cfdist.checkpoint.chunks.ShardStream`: each window as
+    soon as the snapshot copied it, hashed on the way (xxh3 releases the GIL). A window's chunk
+    goes back to the pool once the consumer asked for ``lag`` + 1 more items (the writes a
+    consumer keeps in flight: :func:`cfdist.storage.direct.writes_in_flight`); the caller
+    gives back the rest once ``write_file`` returned."""
+    yield header
+    hashes: dict[str, "xxhash.xxh3_64"] = {}
+    k = 0
+    for w in range(stream.windows):
+        if w - 1 - lag >= 0:
+            stream.written(w - 1 - lag)
+        mv = stream.get(w, check)
+        a, b = stream.window(w)
+        while k < len(entries) and entries[k].offset < b:
+            e = entries[k]
+            lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
+            h = hashes.setdefault(e.name, xxhash.xxh3_64())
+            h.update(mv[lo - a:hi - a])
+            if hi < e.offset + e.nbytes:
+                break
+            sums[e.name] = hashes.pop(e.name).hexdigest()
+            k += 1
+        yield mv
+    for e in entries[k:]:   # empty tensors at the shard's end
+        sums[e.name] = hashes.pop(e.name, xxhash.xxh3_64()).hexdigest()
+
+
 def _back_to_back(entries: list[TensorEntry]) -> bool:
     off = 0
     for e in entries:
@@ -387,10 +427,14 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
             job.step, f"a new checkpoint of step {job.step} replaced it (the run rolled back past it)"))
     if not (job.commit or job.shards):   # only the clearing
         return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=0, seconds=time.perf_counter() - t0)
-    arenas = job.arenas
+    arenas = job.arenas if job.streams is None else job.streams
     if arenas is None:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]
     arenas = {s.index: a for s, a in zip(job.shards, arenas)}
+
+    def check() -> None:   # a streamed write waiting for the snapshot's next window
+        if job.gate is not None and job.gate.abandoned():
+            raise PersistAbandoned(f"persist of step {job.step} was given up while it waited for the snapshot")
     parts = job.slices or []
     staging = {r: (f"{final}{TMP_MARK}{job.staging_tag}" if job.staging_tag and storages[r].atomic_rename
                    else storages[r].staging_dir(final))
@@ -407,16 +451,29 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
         for s in job.shards:
             if s.root != r:
                 continue
-            arena = arenas[s.index].numpy()
-            sh = written[s.index] = codecs.encode_shard(enc, s.entries, arena)
+            stream = arenas[s.index] if job.streams is not None else None
+            if stream is not None:   # no codecs under a budget: the entries as they are
+                sh = written[s.index] = codecs.EncodedShard(s.entries, [], {})
+            else:
+                arena = arenas[s.index].numpy()
+                sh = written[s.index] = codecs.encode_shard(enc, s.entries, arena)
             # data at a page boundary on local roots: O_DIRECT needs it, and a buffered write
             # over a reused file then replaces whole pages (no read of the old ones first)
             hdr = safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)},
                                      align=ALIGN if local else 8)
-            chunks = _shard_chunks(hdr, arena, sh.entries, sums) if enc is None else \
-                _shard_chunks(hdr, None, sh.entries, sums, sh.buffers)
-            with io_mode(job.io, threads=job.io_threads, reuse=True):
-                n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}", chunks)
+            if stream is not None:
+                chunks = _stream_chunks(hdr, stream, sh.entries, sums, lag=writes_in_flight(job.io_threads),
+                                        check=check)
+            elif enc is None:
+                chunks = _shard_chunks(hdr, arena, sh.entries, sums)
+            else:
+                chunks = _shard_chunks(hdr, None, sh.entries, sums, sh.buffers)
+            try:
+                with io_mode(job.io, threads=job.io_threads, reuse=True):
+                    n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}", chunks)
+            finally:
+                if stream is not None:   # every write of it ended: no chunk is read any more
+                    stream.release_taken()
             modes[r] = getattr(direct_io.last_mode, "value", None) if local else "fsspec"
             if local and getattr(direct_io.last_mode, "reused", False):
                 reused.append(s.index)

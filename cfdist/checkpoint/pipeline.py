@@ -171,6 +171,9 @@ class PersistPipeline:
         else:
             h._settle(result=info)
         finally:
+            # a streamed snapshot's chunks go back whatever the outcome (a writer given up may
+            # still read the ones it took: those are retired), so the copy never waits for them
+            job.close_streams(hung=h.abandoned())
             if not h.gate.abandoned():   # an abandoned gate stays taken: a late writer finds it
                 h.gate.close()
 

@@ -14,6 +14,10 @@ Backing memory, in order of preference:
 * a file in ``/dev/shm`` when another process (writer process, node actor) must read it;
 * pinned host memory when CUDA is present, else ordinary host memory.
 
+With a host-memory budget (``host_memory``; :mod:`~cfdist.checkpoint.chunks`) there are no
+full host arenas: each shard's bytes stream through a bounded pool of chunks into its persist,
+window by window, and the gate waits until the last window was copied.
+
 The copy runs on one long-lived background thread (``torch.Tensor.copy_`` releases the GIL),
 overlapped with the next forward/backward. :meth:`Snapshotter.wait_copied` is the gate.
 
@@ -31,14 +35,17 @@ the whole device.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from cfdist.checkpoint import chunks as chunking
 from cfdist.checkpoint.format import TensorEntry
 from cfdist.storage.direct import ALIGN
 
@@ -148,8 +155,21 @@ class Snapshotter:
     """
 
     def __init__(self, *, n_shards: int = 1, shared: bool = False, shm_dir: str | None = None,
-                 gpu_headroom: float = GPU_HEADROOM, buffers: int = 1):
+                 gpu_headroom: float = GPU_HEADROOM, buffers: int = 1, host_memory: int | float | None = None,
+                 whole_bytes: int = 0):
         self.buffers = buffers
+        self.host_memory = host_memory
+        """The budget (bytes, or a fraction of the state) that snapshots stream through, or None:
+        full host arenas. Then ``host`` holds each set's :class:`~cfdist.checkpoint.chunks.ShardStream` s."""
+        if host_memory is not None and shared:
+            raise ValueError("host_memory= streams snapshots in-process: a writer process or a node actor "
+                             "cannot read them (use the thread backend)")
+        chunking.check_budget(host_memory, n_shards, whole_bytes)
+        self.pool: chunking.ChunkPool | None = None
+        self.on_wait = None
+        """Called between the gate's polls while a budgeted copy waits (the Checkpointer gives up
+        persists past their timeout there: their chunks are what the copy waits for)."""
+        self._cancel = threading.Event()
         self.slot = 0
         self._stash: list[tuple] = [(None, None, []) for _ in range(buffers)]   # (sig, layout, host) per set
         self._gpu_sig: tuple | None = None
@@ -178,7 +198,10 @@ class Snapshotter:
 
     @property
     def arena_bytes(self) -> int:
-        """Bytes of host memory every arena set holds together (at most ``buffers`` x the state)."""
+        """Bytes of host memory every arena set holds together (at most ``buffers`` x the state;
+        under a budget, the chunks allocated)."""
+        if self.host_memory is not None:
+            return self.pool.allocated_bytes if self.pool is not None else 0
         return self.nbytes + sum(a.nbytes for i, (_, _, host) in enumerate(self._stash) if i != self.slot
                                  for a in host)
 
@@ -236,6 +259,73 @@ class Snapshotter:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
+    def _ensure_pool(self, tensors: dict[str, torch.Tensor], first_bytes: int) -> None:
+        """The layout and the chunk pool of a budgeted snapshot (re-planned for a new layout)."""
+        sig = layout_signature(tensors)
+        if sig != self._sig:
+            self.layout = plan_layout(tensors, self.n_shards)
+            self._sig = sig
+        state = sum(t.numel() * t.element_size() for t in tensors.values())
+        total = chunking.resolve_budget(self.host_memory, state, self.n_shards, first_bytes)
+        budget = total - first_bytes
+        least = chunking.min_chunks(self.n_shards)
+        if budget < least * chunking.ALIGN:
+            raise ValueError(
+                f"host_memory={self.host_memory!r} ({total} bytes) leaves {budget} bytes for the chunks once the "
+                f"{first_bytes} bytes of tensors the next forward mutates (module buffers, bare tensors: copied "
+                f"whole before step returns) are set aside; it needs at least {first_bytes + least * chunking.ALIGN}")
+        if self.pool is None or self.pool.budget != budget:
+            if self.pool is not None and self.pool.held:
+                log.debug("a new chunk pool of %d bytes; %d chunks of the old one are still held by persists",
+                          budget, self.pool.held)
+            self.pool = chunking.ChunkPool(budget, pin=torch.cuda.is_available(), least=least)
+
+    def _start_streaming(self, tensors: dict[str, torch.Tensor], first) -> None:
+        """A budgeted snapshot: ``first`` copied whole now, the rest window by window through
+        the chunk pool on the copy thread (see :mod:`~cfdist.checkpoint.chunks`)."""
+        first = [n for n in tensors if n in first]
+        first_bytes = sum(tensors[n].numel() * tensors[n].element_size() for n in first)
+        self._ensure_pool(tensors, first_bytes)
+        src = dict(tensors)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for n in first:   # what the next forward mutates: its own copy, before step returns
+                src[n] = tensors[n].detach().clone()
+        self._first_s = time.perf_counter() - t0
+        self.host = [chunking.ShardStream(sum(e.nbytes for e in es), self.pool) for es in self.layout]
+        self.last_device = "cpu"
+        stream = None
+        cuda = [t.device for t in src.values() if t.is_cuda]
+        if cuda:
+            stream = self._stream(cuda[0])
+            updated = torch.cuda.Event()
+            updated.record(torch.cuda.current_stream(cuda[0]))   # after the update and the clones
+            stream.wait_event(updated)
+        self._cancel = cancel = threading.Event()
+        self._copy = self._pool.submit(self._stream_copy, self.host, self.layout, src, stream, cancel)
+
+    @staticmethod
+    def _stream_copy(streams, layout, src, stream, cancel) -> float:
+        try:
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    return chunking.copy_windows(streams, layout, src, cancelled=cancel.is_set, stream=stream)
+            return chunking.copy_windows(streams, layout, src, cancelled=cancel.is_set)
+        except chunking.Cancelled:
+            return 0.0   # given up (cancel): the streams are closed, nothing waits for the rest
+        except BaseException as e:
+            for s in streams:
+                s.fail(e)
+            raise
+
+    def cancel(self) -> None:
+        """Give the budgeted copy in progress up (the snapshot is dropped: its persist will not
+        run): it stops at its next chunk, and its streams are closed."""
+        self._cancel.set()
+        if self.host_memory is not None:
+            for s in self.host:
+                s.close()
+
     def start(self, tensors: dict[str, torch.Tensor], *, mode: str = "cpu", first=()) -> None:
         """Begin copying ``tensors`` (live references) into the arenas; returns once the tensors
         named in ``first`` are safe and the rest is copying in the background.
@@ -248,6 +338,9 @@ class Snapshotter:
         copy of ``first`` before its next kernel; the host blocks for neither.
         """
         self.wait_copied()
+        if self.host_memory is not None:
+            self._start_streaming(tensors, set(first))
+            return
         want_gpu = mode == "gpu" and any(t.is_cuda for t in tensors.values())
         want_gpu = self._ensure(tensors, want_gpu)
         early, rest = [], []
@@ -309,7 +402,12 @@ class Snapshotter:
             return 0.0
         t0 = time.perf_counter()
         try:
-            background_s = self._copy.result()
+            while True:
+                try:   # budgeted: the copy waits for chunks that persists give back
+                    background_s = self._copy.result(None if self.on_wait is None else chunking.POLL_S)
+                    break
+                except cf.TimeoutError:
+                    self.on_wait()
         except Exception:
             self._copy = None   # the copy ended (with an error): nothing runs any more
             raise
@@ -337,6 +435,10 @@ class Snapshotter:
         given up may still read them): its next :meth:`start` allocates fresh ones. Their memory
         is freed once that writer drops its references (in-process), or stays mapped in its
         process (shared)."""
+        if self.host_memory is not None:   # no arenas to retire: the chunks its writer took are
+            for st_ in self.arenas(self.slot if slot is None else slot)[1]:
+                st_.close(hung=True)
+            return
         self.wait_copied()
         if slot is None or slot == self.slot:
             self._sig = None
@@ -346,6 +448,8 @@ class Snapshotter:
     def close_arenas(self) -> None:
         for a in self.host + self.gpu + [a for _, _, host in self._stash for a in host]:
             a.close()
+        if self.pool is not None:   # its counters stay readable (stats after close)
+            self.pool.close()
         self.host, self.gpu, self._sig, self.layout, self._gpu_sig = [], [], None, None, None
         self._stash = [(None, None, []) for _ in range(self.buffers)]
 

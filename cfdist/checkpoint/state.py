@@ -89,6 +89,18 @@ def mutable_in_forward(state: dict, tensors: dict[str, torch.Tensor]) -> set[str
     return {n for n, t in tensors.items() if t.numel() and (t.device, t.data_ptr()) in live}
 
 
+def mutable_in_forward_bytes(state: dict) -> int:
+    """Bytes of what :func:`mutable_in_forward` finds, from the live objects (module buffers,
+    bare tensors), without a capture."""
+    ts = {}
+    for obj in state.values():
+        if isinstance(obj, torch.nn.Module):
+            ts.update(((b.device, b.data_ptr()), b) for b in obj.buffers() if b.numel())
+        elif isinstance(obj, torch.Tensor) and obj.numel():
+            ts[(obj.device, obj.data_ptr())] = obj
+    return sum(t.numel() * t.element_size() for t in ts.values())
+
+
 RANK_BUFFERS_MAX_BYTES = 1 << 20
 """The most bytes of a rank's own module buffers that travel with its RNG states. They go
 through the c10d Store (whose messages are capped at 8 MiB) and into the manifest, encoded on

@@ -238,12 +238,20 @@ def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
         mv, off = mv[n:], off + n
 
 
+def writes_in_flight(threads: int) -> int:
+    """Most chunks :func:`write_direct` still reads from when it asks for the next one: the
+    ``2 * threads`` writes it keeps in flight. A producer may reuse the memory of every chunk
+    older than that (:mod:`cfdist.checkpoint.chunks` relies on it)."""
+    return 2 * threads
+
+
 def write_direct(fd: int, chunks, *, threads: int = 1) -> int:
     """Write ``chunks`` to ``fd`` (opened with ``O_DIRECT``) from offset 0; returns the byte count.
 
     Aligned chunks go to the disk from their own memory on ``threads`` writer threads (at most
-    ``2 * threads`` writes in flight); the rest through a bounce buffer. The file is truncated
-    to the exact count. The caller fsyncs and closes ``fd``.
+    :func:`writes_in_flight` writes in flight when the next chunk is asked for); the rest
+    through a bounce buffer. The file is truncated to the exact count. The caller fsyncs and
+    closes ``fd``.
     """
     bounce = aligned_buffer(_BOUNCE)
     bmv = memoryview(bounce)
@@ -268,7 +276,7 @@ def write_direct(fd: int, chunks, *, threads: int = 1) -> int:
                     inflight.append(pool.submit(_pwrite_all, fd, mv[:n], off))
                     off += n
                     mv = mv[n:]
-                    if len(inflight) > 2 * threads:
+                    if len(inflight) > writes_in_flight(threads):
                         inflight.pop(0).result()
                     continue
                 take = min(mv.nbytes, _BOUNCE - fill)

@@ -50,17 +50,18 @@ def _wait_commit(st, newer_than: int | None, pid: int, children, timeout_s: floa
 
 
 def kill_restore_loop(children, out, url, *, kills: int, seed: int, options=None, hidden=1024,
-                      wait_for_write=0.5) -> int:
+                      wait_for_write=0.5, **extra) -> int:
     """``kills`` training processes, each SIGKILLed at a seeded instant, each restored by the next.
 
     With probability ``wait_for_write`` a kill waits until a write is in flight (a staging
     directory exists); half of the others wait until a newer step committed (so the run makes
     progress on any machine), the rest until the child logged a seeded number of steps. Asserts, for each run, what the test docstrings promise; returns how many
-    kills interrupted a write.
+    kills interrupted a write. ``extra``: further arguments of the ``crash`` program
+    (``host_memory``, ``buffers``, ``backend``).
     """
     st = open_storage(url, **(options or {}))
     rng = random.Random(seed)
-    common = dict(url=url, k=K, out=str(out), options=options, hidden=hidden, data=N_SAMPLES)
+    common = dict(url=url, k=K, out=str(out), options=options, hidden=hidden, data=N_SAMPLES, **extra)
     expected = None           # newest committed step when the previous process died
     interrupted = 0
     restored = []

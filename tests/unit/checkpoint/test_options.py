@@ -33,7 +33,7 @@ def test_the_constructor_takes_the_newcomers_keywords_first_and_everything_else_
     assert [p.name for p in params[:4]] == ["state", "storage", "policy", "keep"]
     assert all(p.kind is p.KEYWORD_ONLY for p in params[3:] if p.kind is not p.VAR_KEYWORD)
     named = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
-    assert len(named) == 13 and "writer" not in named and "backend" not in named
+    assert len(named) == 14 and "writer" not in named and "backend" not in named   # 14th: host_memory
 
 
 def test_the_groups_land_in_the_config(tmp_path):

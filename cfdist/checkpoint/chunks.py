@@ -1,0 +1,330 @@
+"""A host-memory budget for snapshots: a bounded pool of chunks, each shard streamed through it.
+
+``Checkpointer(host_memory=B)`` gives a snapshot no full host copy of the state. Each shard's
+data section (the arena layout of :mod:`~cfdist.checkpoint.snapshot`: the bytes exactly as the
+shard file holds them) is cut into *windows* of :attr:`ChunkPool.chunk_bytes`. The snapshot's
+copy thread copies window after window into free chunks of one :class:`ChunkPool` (``B`` bytes
+in all) and hands each to its shard's :class:`ShardStream`; the persist writes a shard's windows
+in order and gives each chunk back as soon as its write completed (the storage layer's
+``on_written``), so the copy of the later windows runs while the earlier ones are written
+(PCcheck, ASPLOS'25, pipelines GPU -> host -> SSD the same way).
+
+Consistency is the gate's, unchanged: the next optimizer update waits until *every* window was
+copied (:meth:`Snapshotter.wait_copied`), so no tensor is updated before its bytes are in a
+chunk or on storage. With a budget ``B`` below the state's size ``S`` the copy can finish only
+once ``S - B`` bytes reached storage: the stall's floor is ``(S - B) / write bandwidth``.
+
+Who gives a chunk back, on every path:
+
+- the writer, once the window's write completed (:meth:`ShardStream.written`);
+- the persist's owner, when the persist ended for any reason (:meth:`ShardStream.close`: an
+  error, a timeout, a job that never reached a writer); chunks a writer that was given up may
+  still read are *retired* (never reused; the pool allocates fresh ones, so memory can exceed
+  the budget by what a hung writer holds, as the full arenas' retirement does without a budget);
+- the copy thread, for a window of a stream already closed (nothing will read it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import torch
+
+from cfdist.storage.direct import ALIGN, writes_in_flight
+
+log = logging.getLogger("cfdist.snapshot")
+
+CHUNK_MAX = 16 << 20
+"""Largest chunk: 16 MiB writes reach the disk's bandwidth (``bench/bench_persist.py``)."""
+MIN_CHUNKS = 4
+"""Chunks the budget is cut into at least: one being copied, one being hashed and written, and
+room for the ``O_DIRECT`` writes in flight."""
+
+
+def min_chunks(roots: int = 1, io_threads: int = 1) -> int:
+    """Chunks a pool needs so that streaming cannot stall for good: each root's writer may hold
+    the windows its writes in flight still read (:func:`~cfdist.storage.direct.writes_in_flight`)
+    while it waits for the next one, and the copy needs one more."""
+    return max(MIN_CHUNKS, roots * writes_in_flight(io_threads) + 1)
+
+
+def minimum_budget(roots: int = 1) -> int:
+    """The smallest ``host_memory`` that can work: :func:`min_chunks` chunks of one page."""
+    return min_chunks(roots) * ALIGN
+
+POLL_S = 0.05
+"""How often a wait for a chunk or a window checks whether it should give up."""
+
+
+class Cancelled(Exception):
+    """The wait for a chunk or a window was given up (the persist or the snapshot ended)."""
+
+
+def resolve_budget(host_memory: int | float, state_bytes: int, roots: int = 1, whole_bytes: int = 0) -> int:
+    """Bytes of the budget ``host_memory`` (bytes, or a fraction of a state of ``state_bytes``;
+    a fraction of a tiny state is raised to the least that works: ``whole_bytes`` copied whole
+    plus :func:`minimum_budget`)."""
+    if isinstance(host_memory, float):
+        return max(whole_bytes + minimum_budget(roots), int(host_memory * state_bytes))
+    return int(host_memory)
+
+
+def check_budget(host_memory, roots: int = 1, whole_bytes: int = 0) -> None:
+    """Refuse a ``host_memory`` that cannot work (at construction), naming the minimum;
+    ``whole_bytes``: what a snapshot copies whole beside the chunks (module buffers)."""
+    if host_memory is None:
+        return
+    if isinstance(host_memory, bool) or not isinstance(host_memory, (int, float)):
+        raise TypeError(f"host_memory must be a number of bytes (int) or a fraction of the state (float in "
+                        f"(0, 1]), got {host_memory!r}")
+    if isinstance(host_memory, float):
+        if not 0.0 < host_memory <= 1.0:
+            raise ValueError(f"host_memory={host_memory!r}: a float is a fraction of the state's bytes, in (0, 1]; "
+                             f"pass an int for a number of bytes")
+        return
+    low = minimum_budget(roots) + whole_bytes
+    if host_memory < low:
+        whole = (f" plus the {whole_bytes} bytes of module buffers and bare tensors, copied whole before step "
+                 f"returns (the next forward mutates them)" if whole_bytes else "")
+        raise ValueError(f"host_memory={host_memory} bytes cannot work: snapshots stream through at least "
+                         f"{min_chunks(roots)} chunks of one {ALIGN}-byte page ({roots} root(s)){whole}, so the "
+                         f"minimum is {low} bytes (faster from a few MiB: chunks of up to {CHUNK_MAX >> 20} MiB)")
+
+
+def chunk_size(budget: int, chunks: int = MIN_CHUNKS) -> int:
+    """The chunk size for ``budget`` bytes: at most :data:`CHUNK_MAX`, at least ``chunks``
+    chunks, a whole number of pages."""
+    return max(ALIGN, min(CHUNK_MAX, budget // chunks) // ALIGN * ALIGN)
+
+
+class ChunkPool:
+    """``budget`` bytes of host memory as chunks of ``chunk_bytes`` (page-aligned; pinned when
+    ``pin``: the GPU path copies into them with ``non_blocking``). Chunks are allocated when
+    first needed and reused; any thread."""
+
+    def __init__(self, budget: int, *, pin: bool = False, least: int = MIN_CHUNKS):
+        if budget < least * ALIGN:
+            raise ValueError(f"a chunk pool of {budget} bytes is too small: it needs {least} chunks of at least "
+                             f"{ALIGN} bytes ({least * ALIGN} bytes)")
+        self.budget = budget
+        self.chunk_bytes = chunk_size(budget, least)
+        self.count = budget // self.chunk_bytes
+        self.pin = pin
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0          # chunks that exist and are not retired
+        self._cv = threading.Condition()
+        self.retired = 0
+        """Chunks given up to a writer that may still read them (replaced by fresh ones)."""
+        self.waits = 0
+        """Times the copy waited for a chunk (the budget was the limit)."""
+        self.peak = 0
+        """Most chunks held at once."""
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host memory the pool holds now (chunks allocated and not retired)."""
+        return self._allocated * self.chunk_bytes
+
+    @property
+    def held(self) -> int:
+        return self._allocated - len(self._free)
+
+    def _new(self) -> torch.Tensor:
+        raw = torch.empty(self.chunk_bytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
+        skip = -raw.data_ptr() % ALIGN   # O_DIRECT writes send an aligned chunk without a copy
+        return raw[skip:skip + self.chunk_bytes]
+
+    def acquire(self, cancelled=lambda: False) -> torch.Tensor:
+        """A free chunk, waiting while all :attr:`count` are held; raises :class:`Cancelled`
+        once ``cancelled()`` says so."""
+        with self._cv:
+            waited = False
+            while not self._free and self._allocated >= self.count:
+                if cancelled():
+                    raise Cancelled("no chunk: the snapshot was given up")
+                waited = True
+                self._cv.wait(POLL_S)
+            self.waits += waited
+            if self._free:
+                c = self._free.pop()
+            else:
+                c = self._new()
+                self._allocated += 1
+            self.peak = max(self.peak, self.held)
+            return c
+
+    def release(self, chunk: torch.Tensor) -> None:
+        with self._cv:
+            self._free.append(chunk)
+            self._cv.notify()
+
+    def retire(self, n: int = 1) -> None:
+        """``n`` held chunks will never come back (a writer given up may still read them)."""
+        with self._cv:
+            self._allocated -= n
+            self.retired += n
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._free.clear()
+            self._allocated = 0
+            self._cv.notify_all()
+
+
+class ShardStream:
+    """One shard's bytes of one snapshot, window by window through a :class:`ChunkPool`.
+
+    Stands where a full arena stands in a :class:`~cfdist.checkpoint.persist.PersistJob`
+    (``nbytes``, ``path``): the copy thread :meth:`put` s windows in order, the writer
+    :meth:`get` s them in order and calls :meth:`written` once each write completed."""
+
+    path = None   # in-process only: a writer process or a node actor cannot map it
+
+    def __init__(self, nbytes: int, pool: ChunkPool):
+        self.nbytes = nbytes
+        self.pool = pool
+        self.chunk_bytes = pool.chunk_bytes
+        self.windows = math.ceil(nbytes / self.chunk_bytes)
+        self._ready: dict[int, torch.Tensor] = {}    # copied, not yet taken by the writer
+        self._reading: dict[int, torch.Tensor] = {}  # taken by the writer, write not completed
+        self._cv = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+
+    def window(self, w: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of window ``w`` in the shard's data section."""
+        a = w * self.chunk_bytes
+        return a, min(a + self.chunk_bytes, self.nbytes)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---- the copy thread ------------------------------------------------------------------------
+    def put(self, w: int, chunk: torch.Tensor) -> bool:
+        """Window ``w`` is copied into ``chunk``. False (and the chunk goes back) when the stream
+        was closed: nothing will read it."""
+        with self._cv:
+            if not self._closed:
+                self._ready[w] = chunk
+                self._cv.notify_all()
+                return True
+        self.pool.release(chunk)
+        return False
+
+    def fail(self, error: BaseException) -> None:
+        """The copy failed: the writer's :meth:`get` raises ``error``."""
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+    # ---- the writer -----------------------------------------------------------------------------
+    def get(self, w: int, check=lambda: None) -> memoryview:
+        """Window ``w``'s bytes (blocks until copied); ``check()`` runs between polls and may
+        raise to give up."""
+        with self._cv:
+            while w not in self._ready:
+                if self._error is not None:
+                    raise RuntimeError(f"the snapshot copy failed: {self._error}") from self._error
+                if self._closed:
+                    raise Cancelled(f"window {w} of a closed stream")
+                self._cv.wait(POLL_S)
+                check()
+            c = self._reading[w] = self._ready.pop(w)
+        a, b = self.window(w)
+        return memoryview(c[:b - a].numpy())
+
+    def written(self, w: int) -> None:
+        """Window ``w``'s write completed: its chunk goes back to the pool."""
+        with self._cv:
+            c = self._reading.pop(w, None)
+        if c is not None:
+            self.pool.release(c)
+
+    def release_taken(self) -> None:
+        """The writer's ``write_file`` returned (or raised): every window it took is written
+        or will never be, and no write reads one any more."""
+        with self._cv:
+            taken = list(self._reading.values())
+            self._reading.clear()
+        for c in taken:
+            self.pool.release(c)
+
+    def close(self, *, hung: bool = False) -> None:
+        """The persist ended: give every chunk back; ``hung``: a writer that was given up may
+        still read the ones it took, so those are retired instead (never reused). Idempotent."""
+        with self._cv:
+            self._closed = True
+            ready, reading = list(self._ready.values()), list(self._reading.values())
+            self._ready.clear()
+            self._reading.clear()
+            self._cv.notify_all()
+        for c in ready:
+            self.pool.release(c)
+        if hung and reading:
+            log.warning("a persist given up still holds %d chunk(s) of %d bytes: they are retired, and the "
+                        "snapshot budget is exceeded by that much until the process ends", len(reading),
+                        self.chunk_bytes)
+            self.pool.retire(len(reading))
+        else:
+            for c in reading:
+                self.pool.release(c)
+
+
+def copy_windows(streams: list[ShardStream], layout, tensors: dict[str, torch.Tensor], *,
+                 cancelled=lambda: False, stream=None) -> float:
+    """The copy thread's work for one snapshot: every shard's windows, round robin over the
+    shards (their roots are written in parallel), each into a chunk of the pool. Returns the
+    seconds it took; :class:`Cancelled` ends it early (the snapshot was given up).
+
+    ``stream``: the CUDA copy stream; CUDA sources are copied with ``non_blocking`` into the
+    pinned chunk and the window is handed over once the stream reached it."""
+    t0 = time.perf_counter()
+    flat: dict[str, torch.Tensor] = {}
+
+    def bytes_of(name: str) -> torch.Tensor:
+        if name not in flat:
+            t = tensors[name].detach()
+            if not t.is_contiguous():   # a byte range needs contiguous memory (a transient copy)
+                t = t.contiguous()
+            flat[name] = t.reshape(-1).view(torch.uint8)
+        return flat[name]
+
+    cursors = [0] * len(streams)   # per shard: index of the first entry not fully copied
+    live = [i for i, s in enumerate(streams) if s.windows]
+    w = 0
+    with torch.no_grad():
+        while live:
+            for i in list(live):
+                s, entries = streams[i], layout[i]
+                if w >= s.windows:
+                    live.remove(i)
+                    continue
+                if s.closed:   # its persist ended: nothing reads the rest
+                    live.remove(i)
+                    continue
+                chunk = s.pool.acquire(cancelled)
+                a, b = s.window(w)
+                k = cursors[i]
+                while k < len(entries) and entries[k].offset + entries[k].nbytes <= a:
+                    k += 1
+                cursors[i] = k
+                while k < len(entries) and entries[k].offset < b:
+                    e = entries[k]
+                    lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
+                    src = bytes_of(e.name)[lo - e.offset:hi - e.offset]
+                    chunk[lo - a:hi - a].copy_(src, non_blocking=stream is not None and src.is_cuda)
+                    if hi == e.offset + e.nbytes:
+                        flat.pop(e.name, None)
+                    k += 1
+                if stream is not None:
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    done.synchronize()
+                s.put(w, chunk)
+            w += 1
+    return time.perf_counter() - t0

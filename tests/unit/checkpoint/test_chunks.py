@@ -1,0 +1,123 @@
+"""The chunk pool and shard streams of a host-memory budget (:mod:`cfdist.checkpoint.chunks`)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cfdist.checkpoint import chunks
+from cfdist.checkpoint.persist import _stream_chunks
+from cfdist.checkpoint.snapshot import plan_layout
+from cfdist.storage.direct import ALIGN
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    # sizes that straddle windows: 3 pages + 12 bytes, 1 byte of bool, an empty tensor, a large one
+    return {"a": torch.randn(3 * ALIGN // 4 + 3, generator=g), "b": torch.tensor([True]),
+            "c": torch.empty(0), "d": torch.randint(0, 2**31, (5000,), generator=g, dtype=torch.int64),
+            "e": torch.randn(7, 9, generator=g).t()}   # not contiguous
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_windows_reassemble_every_tensor_byte_for_byte_and_the_pool_never_exceeds_its_count():
+    state = _state()
+    layout = plan_layout(state, 2)
+    pool = chunks.ChunkPool(chunks.minimum_budget(2), least=chunks.min_chunks(2))
+    assert pool.chunk_bytes == ALIGN and pool.count == chunks.min_chunks(2)
+    streams = [chunks.ShardStream(sum(e.nbytes for e in es), pool) for es in layout]
+    got = [bytearray() for _ in streams]
+
+    def drain(i):   # a writer: takes the windows in order, gives each back once "written"
+        s = streams[i]
+        for w in range(s.windows):
+            got[i] += bytes(s.get(w))
+            s.written(w)
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(streams))]
+    for t in threads:
+        t.start()
+    chunks.copy_windows(streams, layout, state)
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), "a writer waited for a window that was never copied"
+    assert pool.peak <= pool.count and pool.waits > 0   # the budget was the limit
+    for es, data in zip(layout, got):
+        for e in es:
+            assert bytes(data[e.offset:e.offset + e.nbytes]) == _bytes(state[e.name]), e.name
+
+
+def test_the_writers_generator_hashes_across_windows_and_gives_chunks_back_behind_the_writes_in_flight():
+    import xxhash
+
+    state = _state()
+    (entries,) = plan_layout(state, 1)
+    pool = chunks.ChunkPool(16 * ALIGN, least=16)   # one page per window, all of them ready
+    stream = chunks.ShardStream(sum(e.nbytes for e in entries), pool)
+    chunks.copy_windows([stream], [entries], state)   # 16 chunks: room for every window
+    sums = {}
+    gen = _stream_chunks(b"HDR", stream, entries, sums, lag=2, check=lambda: None)
+    assert next(gen) == b"HDR"
+    held = []
+    for w in range(stream.windows):
+        next(gen)
+        held.append(pool.held)
+    # asking for window w gives window w - 3 back: the consumer may still write the two before w
+    n = stream.windows
+    assert n >= 5 and held == [n - max(0, w - 2) for w in range(n)], held
+    with pytest.raises(StopIteration):
+        next(gen)
+    stream.release_taken()
+    assert pool.held == 0
+    assert sums == {e.name: xxhash.xxh3_64(_bytes(state[e.name])).hexdigest() for e in entries}
+
+
+def test_closing_a_stream_gives_ready_chunks_back_and_retires_the_ones_a_hung_writer_holds():
+    pool = chunks.ChunkPool(chunks.minimum_budget())
+    s = chunks.ShardStream(4 * ALIGN, pool)
+    for w in range(3):
+        assert s.put(w, pool.acquire())
+    s.get(0)   # a writer took window 0 and hangs in its write
+    s.close(hung=True)
+    assert pool.retired == 1 and pool.held == 0
+    assert not s.put(3, pool.acquire()) and pool.held == 0   # nothing reads a closed stream
+    with pytest.raises(chunks.Cancelled):
+        s.get(1)
+    # the pool replaces the retired chunk: four can be held again
+    got = [pool.acquire() for _ in range(pool.count)]
+    assert len(got) == 4
+
+
+def test_a_copy_waiting_for_a_chunk_stops_when_cancelled():
+    pool = chunks.ChunkPool(chunks.minimum_budget())
+    held = [pool.acquire() for _ in range(pool.count)]
+    stop = threading.Event()
+    threading.Timer(0.1, stop.set).start()
+    with pytest.raises(chunks.Cancelled):
+        pool.acquire(stop.is_set)
+    assert len(held) == pool.count
+
+
+@pytest.mark.parametrize("value,error,match", [
+    (4095, ValueError, "the minimum is 16384 bytes"),
+    (0.0, ValueError, r"fraction of the state's bytes, in \(0, 1\]"),
+    (2.0, ValueError, "fraction"),
+    (True, TypeError, "host_memory must be"),
+    ("50%", TypeError, "host_memory must be"),
+])
+def test_budgets_that_cannot_work_are_refused_naming_what_would(value, error, match):
+    with pytest.raises(error, match=match):
+        chunks.check_budget(value)
+
+
+def test_budgets_resolve_to_pages_and_a_fraction_of_a_tiny_state_to_the_least_that_works():
+    assert chunks.resolve_budget(0.25, 400 << 20) == 100 << 20
+    assert chunks.resolve_budget(0.25, 1000, roots=1, whole_bytes=100) == chunks.minimum_budget() + 100
+    assert chunks.chunk_size(100 << 20) == chunks.CHUNK_MAX
+    assert chunks.chunk_size(10 << 20) == (10 << 20) // 4 // ALIGN * ALIGN
+    assert chunks.min_chunks(roots=3) == 7
