@@ -190,6 +190,7 @@ class Cfdist(Method):
     backend = "thread"
     roots = 1
     auto = False
+    host_memory: float | None = None
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -201,6 +202,7 @@ class Cfdist(Method):
                   else _FromStepOne(cfdist.Every(self.k)))
         self.ckpt = cfdist.Checkpointer({"model": self.model, "optim": self.opt},
                                         urls if self.roots > 1 else urls[0], policy=policy,
+                                        host_memory=self.host_memory,
                                         persist=cfdist.PersistOptions(backend=self.backend))
 
     def phase(self, step: int) -> bool:
@@ -219,7 +221,7 @@ class Cfdist(Method):
     def stats(self) -> dict:
         s = self.ckpt.stats
         keep = ("k", "mode", "checkpoints", "bytes", "mean_persist_s", "mean_snapshot_s", "mean_stall_s",
-                "total_stall_s", "errors", "last_error")
+                "total_stall_s", "errors", "last_error", "host_memory", "chunk_waits", "arena_bytes")
         return {k: s.get(k) for k in keep}
 
 
@@ -259,9 +261,18 @@ def _roots(n: int):
     return type(f"CfdistRoots{n}", (Cfdist,), {"name": f"cfdist.roots{n}", "roots": n})
 
 
+def _budget(percent: int):
+    """cfdist under ``host_memory=percent/100`` of the state (streamed through a chunk pool)."""
+    return type(f"CfdistBudget{percent}", (Cfdist,), {"name": f"cfdist.budget{percent}",
+                                                      "host_memory": percent / 100})
+
+
+BUDGETS = (100, 50, 25, 10)
+"""Host-memory budgets (% of the state) ``cfdist bench`` measures the trade-off at."""
+
 METHODS: dict[str, type[Method]] = {c.name: c for c in (
     Method, TorchSave, DCPSave, DCPAsync, DCPAsyncAwait, DCPNoDist, Cfdist, CfdistProcess, CfdistAuto,
-    _roots(2), _roots(3), _roots(4))}
+    _roots(2), _roots(3), _roots(4), *(_budget(p) for p in BUDGETS))}
 
 
 def make(name: str, **kw) -> Method:

@@ -21,6 +21,7 @@ TARGETS = {
     "auto": "wall overhead <= 3.5% at the k Auto picks for a 3.5% budget",
     "cpu": "CPU-seconds per checkpoint <= 1.5x (memcpy + raw write) of the bytes",
     "persist": "persist >= 90% of the disk's raw write + fsync bandwidth, one root",
+    "budget": "stall under a host-memory budget of 25% and 50% <= 1.2x its floor (S - B) / raw write bandwidth",
 }
 BEGIN, END = "<!-- cfdist-bench:begin -->", "<!-- cfdist-bench:end -->"
 
@@ -62,6 +63,10 @@ def analyze_block(block: dict, cpu_ref_per_byte: float | None = None) -> dict:
         st = [r.get("stats") or {} for r in rs]
         if any(s.get("mean_snapshot_s") for s in st):
             d["snapshot_s"] = _med([s["mean_snapshot_s"] for s in st if s.get("mean_snapshot_s")])
+        if any(s.get("arena_bytes") for s in st):
+            d["arena_mb"] = _med([s["arena_bytes"] / 1e6 for s in st if s.get("arena_bytes") is not None])
+        if any(s.get("chunk_waits") is not None for s in st):
+            d["chunk_waits"] = _med([s["chunk_waits"] for s in st if s.get("chunk_waits") is not None])
         if any(s.get("mean_persist_s") for s in st):
             d["persist_mb_s"] = _med([s["bytes"] / s["mean_persist_s"] / 1e6 for s in st
                                       if s.get("mean_persist_s") and s.get("bytes")])
@@ -109,10 +114,30 @@ def analyze_restore(rest: dict) -> dict:
             "cfdist_vs_dcp_load": measure.ratio(med["cfdist"], med["dcp.load"])}
 
 
+def budget_floors(block: dict, raw_mb_s: float | None) -> None:
+    """Under a host-memory budget B of a state of S bytes the next update waits until S - B bytes
+    reached storage: each ``cfdist.budgetP`` method of ``block`` gets ``budget`` (P / 100),
+    ``floor_s`` ((S - B) / the raw write bandwidth) and ``vs_floor`` (its stall / that floor)."""
+    S = block["state_bytes"]
+    for m, d in block["methods"].items():
+        if not m.startswith("cfdist.budget"):
+            continue
+        frac = int(m.removeprefix("cfdist.budget")) / 100
+        d["budget"] = frac
+        if S and raw_mb_s:
+            d["floor_s"] = max(0.0, S * (1 - frac)) / (raw_mb_s * 1e6)
+            stall = d["stall_s"]["median"]
+            d["vs_floor"] = stall / d["floor_s"] if stall is not None and d["floor_s"] > 0 else None
+
+
 def analyze(results: dict) -> dict:
     micro = analyze_micro(results["micro"]) if "micro" in results else None
     ref = micro["cpu_ref_per_byte"] if micro else None
     blocks = [analyze_block(b, ref) for b in results["blocks"]]
+    raw = micro["raw_mb_s"]["median"] if micro else None
+    for b in blocks:
+        if b["name"] == "budget":
+            budget_floors(b, raw)
     out = {"blocks": blocks, "micro": micro, "skipped": results.get("skipped", []),
            "restore": analyze_restore(results["restore"]) if "restore" in results else None}
     out["targets"] = targets(out)
@@ -165,6 +190,13 @@ def targets(a: dict) -> list[dict]:
                                   f"(noise {_noise(ov['noise'])})" if ov else
                                   f"k={d['k']}: no checkpoint inside the {auto['steps']}-step window"),
                      "met": None if not ov else ov["median"] <= 0.035, "noisy": bool(ov) and measure.is_noisy(ov)})
+    budget = [(b["workload"], m, d) for b in _find(a["blocks"], "budget") for m, d in b["methods"].items()
+              if d.get("budget") in (0.25, 0.5)]
+    if budget:
+        vs = [d.get("vs_floor") for _, _, d in budget]
+        rows.append({"target": TARGETS["budget"], "measured": ", ".join(
+            f"{w} {int(100 * d['budget'])}% {_x(d.get('vs_floor'))}" for w, _, d in budget),
+            "met": None if any(v is None for v in vs) else max(vs) <= 1.2})
     if a["micro"]:
         p = a["micro"]["persist_vs_raw"]["median"]
         rows.append({"target": TARGETS["persist"], "measured": f"{100 * p:.0f}% of raw write + fsync",
@@ -281,6 +313,7 @@ def markdown(results: dict, a: dict | None = None) -> str:
                 L += [f"cfdist during training: persist at {cf['persist_mb_s']:.0f} MB/s (sharing the cores with "
                       f"the training ranks){snap}.", ""]
     L += growth_tables(a)
+    L += budget_tables(a)
     if a["micro"]:
         m = a["micro"]
         L += ["## Disk and memory references", "",
@@ -315,6 +348,8 @@ def markdown(results: dict, a: dict | None = None) -> str:
     if results.get("recovery"):
         L += recovery_table(results["recovery"])
     L += ["## Plots", "", "![stall](stall.png)", "", "![overhead](overhead.png)", "", "![growth](growth.png)", ""]
+    if _find(a["blocks"], "budget"):
+        L += ["![host-memory budget](budget.png)", ""]
     return "\n".join(L)
 
 
@@ -360,6 +395,31 @@ def growth_tables(a: dict) -> list[str]:
                 pm = f"{d['persist_mb_s']:.0f} MB/s" if d.get("persist_mb_s") else "-"
                 L.append(f"| {n} | {_ms(d['stall_s'])} | {pm} | {_pct(d.get('overhead'))} |")
             L.append("")
+    return L
+
+
+def budget_tables(a: dict) -> list[str]:
+    """The host-memory budget's trade-off, per workload: stall, floor, overhead, memory."""
+    blocks = _find(a["blocks"], "budget")
+    if not blocks:
+        return []
+    L = ["## Host-memory budget (`host_memory=`)", "",
+         "Snapshots streamed through a chunk pool of a fraction of the state; the floor of the stall is "
+         "(S - B) / the raw write + fsync bandwidth of the disk references below.", ""]
+    for b in blocks:
+        L += [_block_title(b), "",
+              "| budget | snapshot host memory (peak) | stall per checkpoint | floor | stall / floor | "
+              "copies that waited for a chunk | wall overhead |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for m, d in b["methods"].items():
+            if m == "none":
+                continue
+            label = "none (full copy)" if m == "cfdist" else f"{int(100 * d['budget'])}%"
+            mem = "-" if d.get("arena_mb") is None else f"{d['arena_mb']:.0f} MB"
+            floor = "-" if d.get("floor_s") is None else f"{1000 * d['floor_s']:.0f} ms"
+            waits = "-" if d.get("chunk_waits") is None else f"{d['chunk_waits']:g}"
+            L.append(f"| {label} | {mem} | {_ms(d['stall_s'])} | {floor} | {_x(d.get('vs_floor'))} | {waits} | "
+                     f"{_pct(d.get('overhead'))} |")
+        L.append("")
     return L
 
 
@@ -467,6 +527,27 @@ def plots(a: dict, out: str) -> list[str]:
     paths.append(os.path.join(out, "growth.png"))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+
+    budget = _find(a["blocks"], "budget")
+    if budget:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for j, b in enumerate(budget):
+            pts = sorted((100 * d["budget"], d["stall_s"]["median"], d.get("floor_s"))
+                         for m, d in b["methods"].items() if "budget" in d and d["stall_s"]["median"] is not None)
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=f"C{j}", label=f"{b['workload']}: stall")
+            if all(p[2] is not None for p in pts):
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "--", color=f"C{j}",
+                        label=f"{b['workload']}: floor (S - B) / write bandwidth")
+        ax.set_xlabel("host-memory budget (% of the state)")
+        ax.set_ylabel("stall per checkpoint (s)")
+        ax.set_title("the host-memory budget's trade-off")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(os.path.join(out, "budget.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
     return paths
 
 

@@ -4,7 +4,8 @@ Modes (``cfdist bench --mode``):
 
 * ``quick``: every method once on a ~4 MB MLP, tiny references (a smoke test, well under a minute);
 * ``default``: the ~200 MB MLP with every method (3 interleaved rounds), the CNN, GPT and DLRM
-  workloads (~50 MB) against every peer (2 rounds), growth with state size (10, 50, 200 MB), ranks
+  workloads (~50 MB) against every peer (2 rounds), the MLP and DLRM (~50 MB) under host-memory
+  budgets of 100, 50, 25 and 10 % of the state (2 rounds), growth with state size (10, 50, 200 MB), ranks
   (1, 2, 4) and roots (1, 2, 4), ``Auto`` at a 3.5% budget, disk/memory references and cold
   restores; about 10-15 minutes on an idle 2-core machine;
 * ``full``: the same with 5 rounds everywhere.
@@ -25,13 +26,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from cfdist.benchmarks.methods import CORE
+from cfdist.benchmarks.methods import BUDGETS, CORE
 from cfdist.benchmarks.runner import Block, run_block
 
 SCHEMA = 1
 MODES = ("quick", "default", "full")
 WORKLOAD_METHODS = ["none", "torch.save", "dcp.save", "dcp.async", "dcp.async-await", "dcp.no_dist", "cfdist"]
 GROWTH_METHODS = ["none", "dcp.async", "cfdist"]
+BUDGET_METHODS = ["none", "cfdist"] + [f"cfdist.budget{p}" for p in BUDGETS]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +68,9 @@ def plan(cfg: SuiteConfig) -> list[Block]:
     k = cfg.k
     if cfg.mode == "quick":
         return [Block(name="main", workload="mlp", state_mb=4, world=2, methods=list(CORE), k=2, warmup=2,
-                      steps=4, repeats=1)]
+                      steps=4, repeats=1),
+                Block(name="budget", workload="mlp", state_mb=4, world=2, methods=["none", "cfdist", "cfdist.budget25"],
+                      k=2, warmup=2, steps=4, repeats=1)]
     reps = 5 if cfg.mode == "full" else 3
     wreps = 5 if cfg.mode == "full" else 2
     greps = 3 if cfg.mode == "full" else 1
@@ -74,6 +78,9 @@ def plan(cfg: SuiteConfig) -> list[Block]:
     blocks = [Block(name="main", workload="mlp", state_mb=200, world=2, methods=list(CORE), repeats=reps, **win)]
     for w in ("cnn", "gpt", "dlrm"):
         blocks.append(Block(name="workload", workload=w, state_mb=50, world=2, methods=list(WORKLOAD_METHODS),
+                            repeats=wreps, **win))
+    for w in ("mlp", "dlrm"):   # the host-memory budget's trade-off: stall and overhead against the budget
+        blocks.append(Block(name="budget", workload=w, state_mb=50, world=2, methods=list(BUDGET_METHODS),
                             repeats=wreps, **win))
     blocks.append(Block(name="auto", workload="mlp", state_mb=200, world=2, methods=["none", "cfdist.auto"],
                         k=k, warmup=12, steps=8 * k, repeats=greps + 1))

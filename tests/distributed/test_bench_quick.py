@@ -1,5 +1,6 @@
 """``cfdist bench --quick`` end to end: real gloo ranks train a tiny MLP under every method
-(torch.save, DCP save / async / no_dist, cfdist thread / process / striped), the disk and memory
+(torch.save, DCP save / async / no_dist, cfdist thread / process / striped / under a host-memory
+budget), the disk and memory
 references and cold restores run for real; the point is the results schema and that every
 method produced numbers. No timing is asserted."""
 
@@ -21,7 +22,12 @@ def test_bench_quick_writes_results_report_and_plots_for_every_method(tmp_path):
     for key in ("cpu_count", "memory_gb", "python", "torch", "ray"):
         assert res["machine"][key], key
     assert res["filesystem"]["type"]
-    (block,) = res["blocks"]
+    block, budget = res["blocks"]
+    assert budget["block"]["name"] == "budget"
+    brun = {r["method"]: r for r in budget["runs"]}["cfdist.budget25"]   # streamed through a quarter
+    assert brun["checkpoints"] == 2 and brun["stats"]["checkpoints"] >= 2 and not brun["stats"]["errors"], brun
+    state = next(r["state_bytes"] for r in budget["runs"] if "state_bytes" in r)
+    assert 0 < brun["stats"]["arena_bytes"] <= 0.25 * state, brun["stats"]
     runs = {r["method"]: r for r in block["runs"]}
     assert sorted(runs) == sorted(CORE)
     for m, r in runs.items():
@@ -39,6 +45,8 @@ def test_bench_quick_writes_results_report_and_plots_for_every_method(tmp_path):
         row = next(ln for ln in report.splitlines() if ln.startswith(f"| {m} |") or ln.startswith(f"| **{m}** |")
                    or ln.startswith("| none (baseline)") and m == "none")
         assert " ms" in row, row
-    for png in ("stall.png", "overhead.png", "growth.png"):
+    row = next(ln for ln in report.splitlines() if ln.startswith("| 25% |"))   # the budget table
+    assert " ms" in row, row
+    for png in ("stall.png", "overhead.png", "growth.png", "budget.png"):
         assert os.path.getsize(out / png) > 1000, png
     assert os.listdir(tmp_path / "ckpt") == []        # every checkpoint directory was cleaned up

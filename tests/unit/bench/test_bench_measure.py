@@ -130,7 +130,9 @@ def test_plan_windows_open_on_a_checkpoint_after_a_warm_checkpoint():
                 assert b.warmup >= b.k and b.warmup % b.k == 0 and b.steps % b.k == 0
             assert set(b.methods) <= set(METHODS)
     quick = plan(SuiteConfig(mode="quick"))
-    assert [m for b in quick for m in b.methods] == CORE
+    assert quick[0].methods == CORE and [b.name for b in quick] == ["main", "budget"]
+    assert {m for b in plan(SuiteConfig()) if b.name == "budget" for m in b.methods} >= {
+        "cfdist", "cfdist.budget100", "cfdist.budget50", "cfdist.budget25", "cfdist.budget10"}
     full = plan(SuiteConfig(mode="full"))
     assert next(b for b in full if b.name == "main").repeats >= 5
     assert {b.workload for b in full} == {"mlp", "cnn", "gpt", "dlrm"}
