@@ -101,6 +101,14 @@ class RecoveryOptions:
     live_timeout_s: float = 30.0
     """How long a survivor's live save may take (its copy and its commit to the memory tier);
     past it the rank stops and the run rolls back to the last checkpoint."""
+    hang_timeout_s: float | None = 600.0
+    """A group that completes no step for this long, once it completed one, is hung: the driver
+    asks every rank for its progress, kills the ranks that do not answer within 2 s (a frozen
+    process: a SIGSTOP, a hang in a driver call holding the GIL) and recovers as from their
+    crash, the survivors writing their live state; when every rank answers (a hang the ranks
+    share), the whole group is stopped and the run rolls back to the last checkpoint. None: no
+    hang detection (torch.distributed's own collective timeout, ``rendezvous_timeout_s``, still
+    applies). Longer than any step, checkpoint or evaluation the loop does between two steps."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +185,7 @@ class FitConfig:
     storage_options: dict | None = TierOptions.storage_options
     live_recovery: bool = RecoveryOptions.live_recovery
     live_timeout_s: float = RecoveryOptions.live_timeout_s
+    hang_timeout_s: float | None = RecoveryOptions.hang_timeout_s
 
     @classmethod
     def build(cls, *, tiers: TierOptions | None = None, recovery: RecoveryOptions | None = None,
@@ -243,6 +252,10 @@ class FitConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        h = self.hang_timeout_s
+        if h is not None and not (isinstance(h, (int, float)) and not isinstance(h, bool) and math.isfinite(h)
+                                  and h > 0):
+            raise ValueError(f"hang_timeout_s must be a number of seconds > 0, or None (no hang detection), got {h!r}")
         if not (isinstance(self.cpus_per_worker, (int, float)) and self.cpus_per_worker >= 0):
             raise ValueError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker!r}")
         if self.memory_every is not None:

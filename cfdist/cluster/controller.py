@@ -66,6 +66,8 @@ class Controller:
         self._refilled = True        # warm spares replaced since the attempt started
         self._running_since: float | None = None
         self._final_url: str | None = None
+        self._progress_at: float | None = None   # when the attempt last completed a step (None: none yet)
+        self._hang: dict | None = None           # the ranks stopped as hung, until the failure they cause
         self._t0 = clock()
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -176,6 +178,7 @@ class Controller:
         self._attempt_stall = 0.0
         self._running_since = now
         self._refilled = False
+        self._progress_at, self._hang = None, None
         if self._recovery is not None:
             self._recovery.update(restarted_at=now, stage_s=stage_s, tier=choice.tier, world_size=group.world_size)
         elif choice.step is not None:   # a resumed run: log how its restore went
@@ -200,8 +203,26 @@ class Controller:
             return self._finish(st, status)
         if resize is not None:
             return resize
+        self._check_hang(st)
         self._check_capacity(st)
         return st
+
+    def _check_hang(self, st: RunningState) -> None:
+        """No step completed for ``hang_timeout_s`` (once the attempt completed one): stop the
+        hung ranks (:meth:`RayWorkerGroup.stop_hung`); the next polls see them fail."""
+        h = self.config.hang_timeout_s
+        stop = getattr(st.group, "stop_hung", None)
+        if h is None or stop is None or self._progress_at is None or self._hang is not None:
+            return
+        quiet = self.clock() - self._progress_at
+        if quiet < h:
+            return
+        ranks, frozen = stop(quiet)
+        self._hang = {"since": self._progress_at, "ranks": ranks, "frozen": frozen, "quiet_s": quiet}
+        why = (f"rank(s) {ranks} did not answer within 2 s: frozen, killed" if frozen else
+               "every rank answered but none completed a step: the whole group is stopped")
+        self.events.emit("hang", step=self.step_now, ranks=ranks, frozen=frozen, quiet_s=round(quiet, 3),
+                         reason=f"no step completed for {quiet:.1f} s (hang_timeout_s={h}); {why}")
 
     def _absorb(self, st: RunningState, records: list[dict], commits: list[dict]) -> ControllerState | None:
         """Log rank 0's records and the actors' commits in time order; a planned resize
@@ -230,6 +251,7 @@ class Controller:
                                      first_step_s=round(max(0.0, r["t"] - restored_at), 6),
                                      recovery_s=round(max(0.0, r["t"] - failed_at), 6))
                 self.step_now = r["step"]
+                self._progress_at = self.clock()
                 self._attempt_stall = r.get("stall_s", self._attempt_stall)
                 self.events.emit("step", t=r["t"], **fields)
             elif kind == "metrics":
@@ -329,7 +351,8 @@ class Controller:
         died = [e for e in status.errors if e.actor_died]
         first = (died or status.errors)[0]
         kind = "preempt" if lost else ("crash" if died else "error")
-        claimed = self.injector.claim(kind=kind) if self.injector is not None else None
+        hang, self._hang = self._hang, None
+        claimed = self.injector.claim(kind=kind) if self.injector is not None and hang is None else None
         try:
             step_at = max(self.step_now, group.current_step() or 0)
         except Exception:  # noqa: BLE001 - survivors may be going down too
@@ -338,11 +361,14 @@ class Controller:
                     first.rank // max(1, group.world_size // max(1, len(group.nodes))))
         failure = Failure(kind=kind, step=step_at, rank=None if lost else first.rank, node=node,
                           node_id=lost[0].node_id if lost else first.node_id,
-                          message=first.message[:500], failed_at=claimed["t"] if claimed else detected,
+                          message=first.message[:500],
+                          failed_at=claimed["t"] if claimed else (hang["since"] if hang else detected),
                           detected_at=detected)
-        if claimed is None:
+        if claimed is None:   # a hang failed when progress stopped: its detection took the timeout
             self.events.emit("failure", t=detected, kind="crash" if kind == "error" else kind, step=step_at,
-                             rank=failure.rank, node=node, cause=kind, message=failure.message[:200])
+                             rank=failure.rank, node=node, cause="hang" if hang else kind,
+                             message=failure.message[:200],
+                             **({"stalled_since": round(hang["since"], 6)} if hang else {}))
         # "detected" is when the poll saw the errors; classifying (probing the nodes) is recovery work
         self.events.emit("detected", t=detected, kind=kind, ranks_failed=len(status.errors),
                          classify_s=round(self.clock() - detected, 6))

@@ -40,6 +40,7 @@ import glob
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -250,6 +251,18 @@ class NodeCheckpointer:
             self._peers = list(peers)
             self._whole_only = False
         self.forget_workers(dead_pids)
+
+    def kill_workers(self, pids) -> list[int]:
+        """SIGKILL rank processes of this node (a frozen one too: SIGKILL needs no cooperation,
+        where Ray's own kill first asks the process to exit); returns the pids that were there."""
+        killed = []
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+            except ProcessLookupError:
+                pass
+        return killed
 
     def forget_workers(self, pids) -> int:
         """Remove the /dev/shm arenas that killed workers (``pids``) left; returns how many."""

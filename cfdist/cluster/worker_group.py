@@ -34,6 +34,9 @@ answers in milliseconds; one on a lost node never does)."""
 _PROBE_AFTER_S = 0.05
 """After a first error, how long the other ranks get before the nodes of those still running
 are probed (most outcomes are in by then)."""
+_HUNG_ASK_S = 2.0
+"""A group that made no progress: how long each rank has to say which step it is at (a live
+process answers on another thread of its actor in milliseconds; a frozen one never does)."""
 _SETTLE_S = 1.0
 """After a first error, how long to wait for the other ranks' outcomes (to classify the failure:
 a surviving rank's collective error usually follows its peer's death within milliseconds)."""
@@ -73,6 +76,7 @@ class RayWorkerGroup:
         self._results: dict[int, dict] = {}
         self._errors: list[RankError] = []
         self._read_later: list = []   # run() outcomes handed to _read_in_background
+        self._hung: dict[int, str] = {}   # rank -> why it was stopped as hung
 
     # ---- start --------------------------------------------------------------------------------
     def start(self) -> float:
@@ -180,8 +184,9 @@ class RayWorkerGroup:
             try:
                 self._results[rank] = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
-                # the process is gone (crashed, its node lost, or killed by Ray's memory monitor)
-                self._errors.append(RankError(rank, self._node_of(rank), True, _short(e)))
+                # the process is gone (crashed, its node lost, killed by Ray's memory monitor, or
+                # stopped as hung)
+                self._errors.append(RankError(rank, self._node_of(rank), True, self._hung.get(rank) or _short(e)))
             except ray.exceptions.RayTaskError as e:
                 self._errors.append(RankError(rank, self._node_of(rank), False, _short(e)))
 
@@ -239,6 +244,42 @@ class RayWorkerGroup:
             ray.get(ref, timeout=timeout_s)
         except (ray.exceptions.RayError, TimeoutError):
             pass   # RayActorError: it died, as asked
+
+    def stop_hung(self, quiet_s: float) -> tuple[list[int], bool]:
+        """The group completed no step for ``quiet_s``: ask every running rank for its step; the
+        ranks that do not answer within :data:`_HUNG_ASK_S` are frozen and are killed (their
+        peers' collectives then fail, and the survivors write their live state, as after a
+        crash). When every rank answers, nothing tells the hung one apart: all are killed.
+        Returns ``(killed ranks, whether they were frozen)``; the next polls report them."""
+        from cfdist.cluster.quiet import expect_death
+
+        running = [r for r in range(len(self.workers)) if r not in self._results
+                   and not any(e.rank == r for e in self._errors)]
+        asks = {r: self.workers[r].current_step.remote() for r in running}
+        ready, unanswered = ray.wait(list(asks.values()), num_returns=len(asks), timeout=_HUNG_ASK_S)
+        if unanswered:
+            _read_in_background(unanswered)
+        frozen = [r for r, ref in asks.items() if ref not in ready]
+        targets = frozen or running
+        why = (f"did not answer within {_HUNG_ASK_S:g} s" if frozen else "the whole group made no progress")
+        for r in targets:
+            self._hung[r] = f"hung: no step completed for {quiet_s:.1f} s and it {why}; its process was killed"
+            log.warning("rank %d is hung (no step for %.1f s; %s): killing its process", r, quiet_s, why)
+        pids = {r: self._endpoints[r]["pid"] for r in targets if r < len(self._endpoints)}
+        expect_death(*pids.values())
+        w = self.config.workers_per_node
+        kills = [self._node_actors[r // w].kill_workers.remote([pid]) for r, pid in pids.items()
+                 if r // w < len(self._node_actors)]
+        try:   # by the node's actor: a frozen process never answers Ray's request to exit
+            ray.get(kills, timeout=10)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            log.warning("killing the hung ranks through their nodes' actors failed (%s); asking Ray", _short(e))
+        for r in targets:
+            try:
+                ray.kill(self.workers[r], no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead: its outcome tells
+                pass
+        return targets, bool(frozen)
 
     def recycle(self, timeout_s: float = 2.0) -> dict[str, list[tuple]]:
         """After a failure: the ranks whose ``run`` raised (their process lives, a peer died)

@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import re
+import signal
 import time
 from collections import Counter
 
@@ -40,8 +41,11 @@ class Indexed(torch.utils.data.Dataset):
 
 
 def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: float = 0.05,
-               hold_small: tuple[int, int, str] | None = None):
+               hold_small: tuple[int, int, str] | None = None, freeze_at: tuple[int, int] | None = None):
     """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state.
+
+    ``freeze_at=(rank, step)``: in the first attempt, that rank's process SIGSTOPs itself right
+    after logging that step (a frozen process: a hung driver call, a stuck NFS read).
 
     ``hold_small=(world_size, step, event_log)``: a group of that world size does not train past
     ``step`` until the driver logged its decision to grow (a node that returns takes seconds to
@@ -71,6 +75,8 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
                                   "pad": loader.last_batch_is_padding}) + "\n")
             log.flush()
             ctx.report(step_rank=ctx.rank)
+            if freeze_at == (ctx.rank, ckpt.step_count) and ctx.attempt == 0:
+                os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(step_sleep_s)
             if hold_small is not None and ctx.world_size == hold_small[0] and ckpt.step_count == hold_small[1]:
                 _wait_for_decision(hold_small[2], "grow_at_next_checkpoint")

@@ -43,11 +43,12 @@ STEPS = 24          # 3 epochs of 8 steps with 2 ranks
 EVERY = 4
 
 
-def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, hold_small=None, **kw):
+def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, hold_small=None,
+         freeze_at=None, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s,
-                             hold_small=hold_small)
+                             hold_small=hold_small, freeze_at=freeze_at)
     result = fit(loop,
                  num_nodes=num_nodes, workers_per_node=1, storage=f"file://{tmp}/{{node}}/local",
                  policy=Every(EVERY), preemption=schedule, run_name=name,
@@ -128,6 +129,33 @@ def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp
     # each node's writer persisted its own copy, every rank's RNG states in each
     manifests = glob.glob(f"{tmp_path}/*/local/**/step-{STEPS:09d}/MANIFEST.json", recursive=True)
     assert len(manifests) == 2 and all(len(json.load(open(m))["rngs"]) == 2 for m in manifests), manifests
+
+
+def test_a_frozen_rank_is_killed_after_hang_timeout_and_the_run_recovers_from_the_survivors_live_state(
+        fake_cluster, reference, tmp_path):
+    """Rank 1's process freezes (SIGSTOP, from inside it) right after step 10; rank 0 then waits
+    in step 11's all-reduce, and no step completes. After ``hang_timeout_s`` the driver asks both
+    ranks for their step: rank 1 does not answer and its process is killed through its node's
+    actor; rank 0's collective fails, it writes its live state of step 10, and the next group
+    resumes from it. Final parameters equal the reference; data exactly once."""
+    fake_cluster.ensure_workers(2)
+    result, out = _fit(fake_cluster, tmp_path, "hang", freeze_at=(1, 10),
+                       recovery=cfdist.RecoveryOptions(hang_timeout_s=5.0))
+    assert result.failures == 1
+    (f,) = result.failure_stats
+    assert f.kind == "crash" and f.tier in ("memory", "peer"), f
+    assert f.restored_step >= 10 and f.lost_iterations <= 1, f
+    recs = _records(tmp_path / "hang.jsonl")
+    (hang,) = [r for r in recs if r["event"] == "hang"]
+    assert hang["ranks"] == [1] and hang["frozen"] and hang["quiet_s"] >= 5.0, hang
+    (failure,) = [r for r in recs if r["event"] == "failure"]
+    assert failure["cause"] == "hang" and failure["rank"] == 1 and "hung" in failure["message"], failure
+    (restored,) = [r for r in recs if r["event"] == "restored" and r.get("detect_s") is not None
+                   and r["t"] > failure["t"]]
+    assert restored["detect_s"] >= 5.0, restored   # the detect phase shows the timeout it took
+    assert result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
 
 
 def test_lost_node_is_replaced_and_seeded_from_peer(fake_cluster, reference, tmp_path):

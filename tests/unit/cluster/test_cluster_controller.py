@@ -343,3 +343,47 @@ def test_a_live_save_commit_starts_no_spare_and_triggers_no_resize():
     be.commits = [{"t": 1003.5, "step": 3, "tier": "memory", "node_id": N[0].node_id}]
     ctl.step()
     assert len(refills) == 1 and "live" not in ev.of("checkpoint_committed")[-1] and ev.of("resize")
+
+
+class HangingGroup(FakeGroup):
+    """Reports one step, then nothing, until ``stop_hung`` kills rank 1: then its death."""
+
+    def __init__(self, nodes, script, wpn):
+        super().__init__(nodes, script, wpn)
+        self.stopped = []
+
+    def stop_hung(self, quiet_s):
+        self.stopped.append(quiet_s)
+        self.script = [GroupStatus(errors=[RankError(1, self.nodes[1].node_id, True, "hung: killed")])]
+        return [1], True
+
+
+@pytest.mark.parametrize("timeout", [5.0, None])
+def test_a_group_without_progress_for_hang_timeout_s_is_stopped_and_the_failure_is_a_hang(timeout):
+    clock = Clock()
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1000, 1)])] + [GroupStatus()] * 3, []])
+    be.start_group = lambda nodes, choice, attempt, dead: be.groups.append(
+        (HangingGroup(nodes, be.scripts.pop(0), 1), choice)) or be.groups[-1][0]
+    ctl, ev = make(be, clock, hang_timeout_s=timeout)
+    ctl.step()                      # recovering -> running (a long start-up is no hang: no step yet)
+    clock.t += 100
+    ctl.step()                      # the first step: progress from now
+    g = be.groups[0][0]
+    for _ in range(4):
+        clock.t += 1.5
+        ctl.step()
+    if timeout is None:
+        assert g.stopped == [] and ev.of("hang") == [] and isinstance(ctl.state, RunningState)
+        return
+    assert len(g.stopped) == 1 and g.stopped[0] >= 5.0
+    (hang,) = ev.of("hang")
+    assert hang["ranks"] == [1] and hang["frozen"] and hang["step"] == 1
+    ctl.step()                      # the killed rank's death: a failure caused by the hang
+    (failure,) = ev.of("failure")
+    assert failure["cause"] == "hang" and failure["rank"] == 1 and failure["stalled_since"] == 1100.0
+    assert ctl._recovery["failed_at"] == 1100.0 and ctl._recovery["detected_at"] == clock.t
+
+
+def test_hang_timeout_s_is_validated():
+    with pytest.raises(ValueError, match="hang_timeout_s must be a number of seconds > 0, or None"):
+        make(FakeBackend(N[:2], []), Clock(), hang_timeout_s=0)
