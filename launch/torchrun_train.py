@@ -17,6 +17,17 @@ dies, torchrun restarts the whole group (up to ``--max-restarts`` times); every 
 restores the same step (the newest every rank can load; ranks agree once per start) and the
 loader resumes at the exact sample. Add ``--backend nccl`` (the default on GPUs).
 
+Live recovery (``--live``, the default): torchrun restarts *every* worker on every node when one
+fails (its elastic agent stops the local group and re-rendezvous; the other nodes' agents follow),
+so nothing of the survivors' memory outlives the restart. What it allows is this: a survivor's
+next collective fails within milliseconds of its peer's death (before the agents react), and the
+survivor writes the state of the last step it completed (``Checkpointer.save_live``, no
+collective, to its node's disk) before it exits. The restarted group restores the newest step
+every rank can load: a node whose worker died receives it from a survivor over the new process
+group. So a worker's death loses at most the step in progress, not everything since the last
+checkpoint. A failure inside the optimizer update, or SIGTERM (the agent stopping a worker that
+had not failed yet), writes nothing; the run then restarts from the last checkpoint.
+
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun's c10d rendezvous shares one
 TCPStore with the workers for the whole job, and a restarted group finds the previous group's
 keys in it (torchrun's per-attempt prefix uses a restart count each node keeps for itself). The
@@ -88,6 +99,8 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
     p.add_argument("--record", default=None, help="directory for per-rank JSON lines (tests)")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--live", action=argparse.BooleanOptionalAction, default=True,
+                   help="after a peer's death, write the live state of the last step before exiting (default)")
     a = p.parse_args(argv)
 
     warn_shared_store()
@@ -105,7 +118,8 @@ def main(argv=None) -> None:
         {"model": model, "optim": opt, "data": loader}, a.local_storage,
         cfdist.Every(a.every) if a.every else cfdist.Auto(), keep=2,
         writers=local_rank == 0,                   # one copy per node, on the node's own disk
-        restore_from=[a.shared_storage] if a.shared_storage else None)
+        restore_from=[a.shared_storage] if a.shared_storage else None,
+        group=cfdist.GroupOptions(live=a.live))
     restored = ckpt.restore()
     stop = threading.Event()
     if rank == 0 and a.shared_storage:
@@ -114,17 +128,30 @@ def main(argv=None) -> None:
     if rec:
         rec.write(json.dumps({"restored": restored, "pid": os.getpid()}) + "\n")
         rec.flush()
-    while ckpt.step_count < a.steps:
-        for x, y in loader:
-            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
-            ckpt.step(opt)
-            opt.zero_grad()
-            if rec:
-                rec.write(json.dumps({"step": ckpt.step_count, "epoch": loader.epoch, "xs": x.flatten(1).sum(1).tolist(), "pid": os.getpid()}) + "\n")
-                rec.flush()
-            time.sleep(a.step_sleep)
-            if ckpt.step_count >= a.steps:
-                break
+    try:
+        while ckpt.step_count < a.steps:
+            for x, y in loader:
+                F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+                ckpt.step(opt)
+                opt.zero_grad()
+                if rec:
+                    rec.write(json.dumps({"step": ckpt.step_count, "epoch": loader.epoch, "xs": x.flatten(1).sum(1).tolist(), "pid": os.getpid()}) + "\n")
+                    rec.flush()
+                time.sleep(a.step_sleep)
+                if ckpt.step_count >= a.steps:
+                    break
+    except Exception:   # a collective failed (a peer died): keep the last completed step, then fail
+        if a.live:
+            try:
+                live = ckpt.save_live(timeout_s=30.0)
+            except Exception as e:  # noqa: BLE001 - the restart falls back on the last checkpoint
+                logging.getLogger("cfdist.launch").warning("rank %d: the live state could not be written (%s: %s)",
+                                                           rank, type(e).__name__, e)
+            else:
+                if rec and live is not None:
+                    rec.write(json.dumps({"live_saved": live, "pid": os.getpid()}) + "\n")
+                    rec.flush()
+        raise
     ckpt.close()
     stop.set()
     if rank == 0:

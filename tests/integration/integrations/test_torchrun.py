@@ -208,9 +208,14 @@ def _assert_like_reference(out: Path, ref: Path, starts: int) -> None:
 
 
 def test_two_node_torchrun_job_killed_and_restarted(tmp_path, reference):
-    """A worker SIGKILLed; torchrun (--max-restarts) restarts the group on both nodes."""
+    """A worker SIGKILLed; torchrun (--max-restarts) restarts the group on both nodes. The
+    survivor writes its live state (``--live``, the default) as its collective fails: the
+    restart resumes from the last step it completed, not from the last checkpoint (every 4)."""
     out = _run_killed(tmp_path, random.Random(3), worker_kills=1, job_kills=0)
     _assert_like_reference(out, reference, starts=2)
+    saved = [r["live_saved"] for rank in (0, 1) for r in _records(out, rank) if "live_saved" in r]
+    restored = [r["restored"] for r in _records(out, 0) if "restored" in r]
+    assert len(saved) == 1 and restored[-1] == saved[0], (saved, restored)
     # exactly once per epoch across both nodes: the reference sees all 512 samples each epoch
     xs = sorted(x for (rank, step), v in _by_step(reference).items() if step <= 8 for x in v)
     assert len(xs) == 512
