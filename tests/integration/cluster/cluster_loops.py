@@ -41,11 +41,13 @@ class Indexed(torch.utils.data.Dataset):
 
 
 def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: float = 0.05,
-               hold_small: tuple[int, int, str] | None = None, freeze_at: tuple[int, int] | None = None):
+               hold_small: tuple[int, int, str] | None = None, freeze_at: tuple[int, int] | None = None,
+               ckpt_kwargs: dict | None = None):
     """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state.
 
     ``freeze_at=(rank, step)``: in the first attempt, that rank's process SIGSTOPs itself right
     after logging that step (a frozen process: a hung driver call, a stuck NFS read).
+    ``ckpt_kwargs``: further Checkpointer arguments (``buffers``, ``codecs``).
 
     ``hold_small=(world_size, step, event_log)``: a group of that world size does not train past
     ``step`` until the driver logged its decision to grow (a node that returns takes seconds to
@@ -57,7 +59,8 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
     model = DDP(torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = cfdist.ResumableLoader(Indexed(), BATCH, seed=3)
-    ckpt = ctx.checkpointer({"model": model, "optim": opt, "data": loader}, policy=cfdist.Every(every))
+    ckpt = ctx.checkpointer({"model": model, "optim": opt, "data": loader}, policy=cfdist.Every(every),
+                            **(ckpt_kwargs or {}))
     ckpt.restore()
     log = open(os.path.join(out_dir, f"a{ctx.attempt}-r{ctx.rank}.jsonl"), "a")
     log.write(json.dumps({"restored": ckpt.step_count, "world_size": ctx.world_size}) + "\n")

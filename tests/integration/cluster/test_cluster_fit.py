@@ -44,13 +44,13 @@ EVERY = 4
 
 
 def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, hold_small=None,
-         freeze_at=None, **kw):
+         freeze_at=None, ckpt_kwargs=None, workers_per_node=1, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s,
-                             hold_small=hold_small, freeze_at=freeze_at)
+                             hold_small=hold_small, freeze_at=freeze_at, ckpt_kwargs=ckpt_kwargs)
     result = fit(loop,
-                 num_nodes=num_nodes, workers_per_node=1, storage=f"file://{tmp}/{{node}}/local",
+                 num_nodes=num_nodes, workers_per_node=workers_per_node, storage=f"file://{tmp}/{{node}}/local",
                  policy=Every(EVERY), preemption=schedule, run_name=name,
                  event_log=str(tmp / f"{name}.jsonl"), max_failures=3, **{"progress": False, **kw})
     return result, out
@@ -129,6 +129,27 @@ def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp
     # each node's writer persisted its own copy, every rank's RNG states in each
     manifests = glob.glob(f"{tmp_path}/*/local/**/step-{STEPS:09d}/MANIFEST.json", recursive=True)
     assert len(manifests) == 2 and all(len(json.load(open(m))["rngs"]) == 2 for m in manifests), manifests
+
+
+def test_live_recovery_with_two_ranks_per_node_double_buffering_and_a_codec(fake_cluster, tmp_path):
+    """2 nodes x 2 ranks, ``buffers=2`` and a ``Zstd`` codec: rank 3 (node 1's second rank, not
+    a writer) is SIGKILLed at step 10. Node 1's writer survives on the same node and, like node
+    0's, writes its live state to its memory tier (encoded by the codec, beside a double-buffered
+    persist that may be in flight); the next group resumes from it. Final parameters equal the
+    same job's failure-free run; data exactly once."""
+    fake_cluster.ensure_workers(2)
+    kw = dict(workers_per_node=2, cpus_per_worker=0.5, ckpt_kwargs={"buffers": 2, "codecs": [cfdist.codecs.Zstd()]})
+    ref, out = _fit(fake_cluster, tmp_path, "ref4", **kw)
+    assert ref.failures == 0 and ref.final_step == STEPS
+    check_exactly_once(str(out), STEPS)
+    result, out = _fit(fake_cluster, tmp_path, "crash4", schedule=StepSchedule([AtStep(step=10, kind="crash", rank=3)]),
+                       **kw)
+    assert result.failures == 1 and result.world_sizes == (4, 4)
+    (f,) = result.failure_stats
+    assert f.kind == "crash" and f.restored_step >= 10 and f.lost_iterations <= 1, f
+    assert result.final_step == STEPS
+    _assert_same(result.value, ref.value)
+    check_exactly_once(str(out), STEPS)
 
 
 def test_a_frozen_rank_is_killed_after_hang_timeout_and_the_run_recovers_from_the_survivors_live_state(
