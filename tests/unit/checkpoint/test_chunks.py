@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -39,14 +40,20 @@ def test_windows_reassemble_every_tensor_byte_for_byte_and_the_pool_never_exceed
             got[i] += bytes(s.get(w))
             s.written(w)
 
+    copier = threading.Thread(target=chunks.copy_windows, args=(streams, layout, state))
+    copier.start()
+    deadline = time.monotonic() + 10   # the copy fills the pool, then waits for the writers
+    while pool.held < pool.count:
+        assert time.monotonic() < deadline, f"the copy filled {pool.held} of {pool.count} chunks in 10 s"
+        time.sleep(0.001)
+    assert sum(s.windows for s in streams) > pool.count and copier.is_alive()
     threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(streams))]
     for t in threads:
         t.start()
-    chunks.copy_windows(streams, layout, state)
-    for t in threads:
+    for t in threads + [copier]:
         t.join(10)
         assert not t.is_alive(), "a writer waited for a window that was never copied"
-    assert pool.peak <= pool.count and pool.waits > 0   # the budget was the limit
+    assert pool.peak == pool.count and pool.waits > 0   # the budget was the limit
     for es, data in zip(layout, got):
         for e in es:
             assert bytes(data[e.offset:e.offset + e.nbytes]) == _bytes(state[e.name]), e.name
