@@ -36,9 +36,7 @@ from cfdist.checkpoint.codecs.pipeline import resolve_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.live import LiveState
 from cfdist.checkpoint.format import CheckpointError, step_dir
-from cfdist.checkpoint.persist import (
-    PersistBackend, PersistJob, ProcessBackend, ShardJob, ThreadBackend,
-)
+from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ThreadBackend, shard_jobs
 from cfdist.checkpoint.pipeline import PersistPipeline
 from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.checkpoint.options import (
@@ -745,9 +743,7 @@ class Checkpointer:
                 count = len(layout) * self._slicer.writers
                 manifest.update(slicing={"writers": self._slicer.writers, "align": slices.ALIGN},
                                 split=self._slicer.split)
-            shards = [ShardJob(index=g, count=count, root=i % len(self.storages), nbytes=host[i].nbytes,
-                               entries=es, arena_path=host[i].path)
-                      for i, (g, es) in enumerate(indexed)]
+            shards = shard_jobs(indexed, host, count=count, roots=len(self.storages))
             job = PersistJob(step=p["step"], manifest=manifest, shards=shards, keep=self.config.keep,
                              keep_epoch_ends=self.config.keep_epoch_ends,
                              arenas=None if streamed else [a.buf for a in host], streams=host if streamed else None,

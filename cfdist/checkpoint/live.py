@@ -39,7 +39,7 @@ import time
 
 from cfdist.checkpoint import state as st
 from cfdist.checkpoint.flatten import flatten
-from cfdist.checkpoint.persist import PersistJob, ShardJob
+from cfdist.checkpoint.persist import PersistJob, shard_jobs
 from cfdist.checkpoint.snapshot import Snapshotter
 
 log = logging.getLogger("cfdist.checkpointer")
@@ -143,8 +143,7 @@ class LiveState:
             snap.start(tensors, mode="cpu")
             snap.wait_copied()
             layout, host = snap.arenas(0)
-            shards = [ShardJob(index=i, count=len(layout), root=i % len(ckpt.storages), nbytes=host[i].nbytes,
-                               entries=es, arena_path=host[i].path) for i, es in enumerate(layout)]
+            shards = shard_jobs(list(enumerate(layout)), host, count=len(layout), roots=len(ckpt.storages))
             job = PersistJob(step=self.step, manifest=manifest, shards=shards, keep=ckpt.config.keep,
                              arenas=[a.buf for a in host], io=ckpt.config.persist.io)
             submit = getattr(ckpt.backend, "submit_live", ckpt.backend.submit)

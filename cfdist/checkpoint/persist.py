@@ -95,6 +95,13 @@ class ShardJob:
     """/dev/shm path of the arena when another process must read it; None in-process."""
 
 
+def shard_jobs(indexed: list[tuple[int, list[TensorEntry]]], arenas: list, *, count: int, roots: int) -> list[ShardJob]:
+    """One :class:`ShardJob` per ``(global shard index, entries)`` of a snapshot, the i-th held
+    by ``arenas[i]`` (an arena or a stream: ``nbytes``, ``path``), on root ``i % roots``."""
+    return [ShardJob(index=g, count=count, root=i % roots, nbytes=arenas[i].nbytes, entries=es,
+                     arena_path=arenas[i].path) for i, (g, es) in enumerate(indexed)]
+
+
 @dataclass(kw_only=True)
 class PersistJob:
     """Everything needed to persist one snapshot. Picklable (a few KB) when arenas are shared."""
