@@ -190,10 +190,11 @@ class Checkpointer:
             if self._slicer is not None and self.writer else None)
         self._restores = 0
         if host_memory is not None:
-            if self.backend.needs_shared_memory:
-                raise ValueError(f"host_memory= streams snapshots into an in-process writer; the "
-                                 f"{type(self.backend).__name__} reads full snapshots from shared memory: use "
-                                 f"PersistOptions(backend='thread') (the default) with a host-memory budget")
+            if not getattr(self.backend, "streams", False):
+                raise ValueError(f"host_memory= streams snapshots into the writer; the {type(self.backend).__name__} "
+                                 f"reads whole snapshots (cfdist.fit's node actors do, for their memory tier): use "
+                                 f"PersistOptions(backend='thread') (the default) or 'process' with a host-memory "
+                                 f"budget")
             if codecs:
                 raise ValueError("host_memory= does not work with codecs yet: a codec encodes whole tensors before "
                                  "the shard's header can be written, which needs the whole shard in memory; drop "

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
+import uuid
 
+import numpy as np
 import torch
 
 from cfdist.storage.direct import ALIGN, writes_in_flight
@@ -100,12 +103,32 @@ def chunk_size(budget: int, chunks: int = MIN_CHUNKS) -> int:
     return max(ALIGN, min(CHUNK_MAX, budget // chunks) // ALIGN * ALIGN)
 
 
+FREE, READY, TAKEN, DONE = 0, 1, 2, 3
+"""States of a chunk in a shared pool's mailbox (one row ``[token, window, state]`` per chunk)."""
+_RING = 16
+"""Tokens of the streams closed most recently, after the mailbox rows: a writer process
+waiting for a window of one of them stops."""
+
+
+def _mailbox(path: str, count: int):
+    """The mailbox of a shared pool (int64, mapped): ``(rows [count, 3], closed-token ring)``."""
+    m = torch.from_file(path, shared=True, size=3 * count + _RING, dtype=torch.int64).numpy()
+    return m[:3 * count].reshape(count, 3), m[3 * count:]
+
+
 class ChunkPool:
     """``budget`` bytes of host memory as chunks of ``chunk_bytes`` (page-aligned; pinned when
     ``pin``: the GPU path copies into them with ``non_blocking``). Chunks are allocated when
-    first needed and reused; any thread."""
+    first needed and reused; any thread.
 
-    def __init__(self, budget: int, *, pin: bool = False, least: int = MIN_CHUNKS):
+    ``shared``: the chunks live in one ``/dev/shm`` file, so a writer process reads them
+    (:class:`RemoteStream`); who holds which chunk is then told through a mailbox file beside
+    it: the copy marks a window READY, the writer TAKEN while it writes, DONE once written, and
+    the pool takes DONE chunks back when it needs one (x86's store order: a chunk's bytes are
+    written before its state)."""
+
+    def __init__(self, budget: int, *, pin: bool = False, least: int = MIN_CHUNKS, shared: bool = False,
+                 shm_dir: str | None = None):
         if budget < least * ALIGN:
             raise ValueError(f"a chunk pool of {budget} bytes is too small: it needs {least} chunks of at least "
                              f"{ALIGN} bytes ({least * ALIGN} bytes)")
@@ -113,6 +136,19 @@ class ChunkPool:
         self.chunk_bytes = chunk_size(budget, least)
         self.count = budget // self.chunk_bytes
         self.pin = pin
+        self.path: str | None = None
+        self.mail_path: str | None = None
+        if shared:
+            d = shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+            if d is None:
+                raise RuntimeError("a shared chunk pool needs /dev/shm (or shm_dir=...)")
+            stem = os.path.join(d, f"cfdist-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            self.path, self.mail_path = f"{stem}.arena", f"{stem}.mailbox.arena"   # swept like arenas
+            self._shm = torch.from_file(self.path, shared=True, size=self.count * self.chunk_bytes,
+                                        dtype=torch.uint8)
+            self._rows, self._ring = _mailbox(self.mail_path, self.count)
+            self._ring_at = 0
+            self._owner: dict[int, tuple] = {}   # slot -> (stream, window) while READY/TAKEN/DONE
         self._free: list[torch.Tensor] = []
         self._allocated = 0          # chunks that exist and are not retired
         self._cv = threading.Condition()
@@ -132,7 +168,18 @@ class ChunkPool:
     def held(self) -> int:
         return self._allocated - len(self._free)
 
+    @property
+    def shared(self) -> bool:
+        return self.path is not None
+
+    def slot(self, chunk: torch.Tensor) -> int:
+        """Index of ``chunk`` in a shared pool's file."""
+        return (chunk.data_ptr() - self._shm.data_ptr()) // self.chunk_bytes
+
     def _new(self) -> torch.Tensor:
+        if self.shared:
+            c = self._allocated   # slots are handed out in order, once each
+            return self._shm[c * self.chunk_bytes:(c + 1) * self.chunk_bytes]
         raw = torch.empty(self.chunk_bytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
         skip = -raw.data_ptr() % ALIGN   # O_DIRECT writes send an aligned chunk without a copy
         return raw[skip:skip + self.chunk_bytes]
@@ -143,10 +190,12 @@ class ChunkPool:
         with self._cv:
             waited = False
             while not self._free and self._allocated >= self.count:
+                if self.shared and self._reclaim():
+                    break
                 if cancelled():
                     raise Cancelled("no chunk: the snapshot was given up")
                 waited = True
-                self._cv.wait(POLL_S)
+                self._cv.wait(POLL_S / 10 if self.shared else POLL_S)   # a writer process does not notify
             self.waits += waited
             if self._free:
                 c = self._free.pop()
@@ -156,10 +205,43 @@ class ChunkPool:
             self.peak = max(self.peak, self.held)
             return c
 
-    def release(self, chunk: torch.Tensor) -> None:
+    def release(self, chunk: torch.Tensor, *, posted: bool = True) -> None:
+        """``chunk`` is free again. In a shared pool a posted chunk comes back once: by this
+        call or by :meth:`_reclaim` (the writer marked it DONE), whichever comes first."""
         with self._cv:
+            if self.shared and posted:
+                c = self.slot(chunk)
+                if self._owner.pop(c, None) is None:
+                    return   # reclaimed already
+                self._rows[c, 2] = FREE
             self._free.append(chunk)
             self._cv.notify()
+
+    # ---- shared pools: the mailbox ---------------------------------------------------------------
+    def post(self, stream: "ShardStream", w: int, chunk: torch.Tensor) -> None:
+        """Window ``w`` of ``stream`` is in ``chunk``: tell the writer process."""
+        c = self.slot(chunk)
+        with self._cv:
+            self._owner[c] = (stream, w)
+            self._rows[c, 0], self._rows[c, 1] = stream.token, w
+            self._rows[c, 2] = READY   # last: the writer reads the window once it sees this
+
+    def _reclaim(self) -> bool:
+        """Take back the chunks writer processes marked DONE (under the lock); whether any."""
+        done = np.nonzero(self._rows[:, 2] == DONE)[0]
+        for c in done.tolist():
+            owner = self._owner.pop(int(c), None)
+            self._rows[c, 2] = FREE
+            if owner is not None:
+                owner[0]._forget(owner[1])
+            self._free.append(self._shm[c * self.chunk_bytes:(c + 1) * self.chunk_bytes])
+        return bool(len(done))
+
+    def closed(self, token: int) -> None:
+        """Stream ``token`` was closed: a writer process waiting for one of its windows stops."""
+        with self._cv:
+            self._ring[self._ring_at % _RING] = token
+            self._ring_at += 1
 
     def retire(self, n: int = 1) -> None:
         """``n`` held chunks will never come back (a writer given up may still read them)."""
@@ -173,6 +255,12 @@ class ChunkPool:
             self._free.clear()
             self._allocated = 0
             self._cv.notify_all()
+        for p in (self.path, self.mail_path):
+            if p:
+                try:
+                    os.unlink(p)   # a writer process that still maps it keeps its pages until it ends
+                except FileNotFoundError:
+                    pass
 
 
 class ShardStream:
@@ -187,6 +275,7 @@ class ShardStream:
     def __init__(self, nbytes: int, pool: ChunkPool):
         self.nbytes = nbytes
         self.pool = pool
+        self.token = int.from_bytes(os.urandom(7), "little") + 1   # > 0: a mailbox row of 0 is unused
         self.chunk_bytes = pool.chunk_bytes
         self.windows = math.ceil(nbytes / self.chunk_bytes)
         self._ready: dict[int, torch.Tensor] = {}    # copied, not yet taken by the writer
@@ -211,10 +300,25 @@ class ShardStream:
         with self._cv:
             if not self._closed:
                 self._ready[w] = chunk
+                if self.pool.shared:
+                    self.pool.post(self, w, chunk)
                 self._cv.notify_all()
                 return True
-        self.pool.release(chunk)
+        self.pool.release(chunk, posted=False)
         return False
+
+    def handle(self) -> "RemoteStream":
+        """What a writer process reads this stream through (pickles: paths and numbers)."""
+        if not self.pool.shared:
+            raise TypeError("a stream of an in-process chunk pool cannot be read by another process")
+        return RemoteStream(self.pool.path, self.pool.mail_path, self.pool.count, self.chunk_bytes, self.token,
+                            self.nbytes)
+
+    def _forget(self, w: int) -> None:
+        """A shared pool took window ``w``'s chunk back (its writer process wrote it). Called
+        under the pool's lock, so not under this stream's (the copy takes them the other way
+        round); a dict pop is atomic."""
+        self._ready.pop(w, None)
 
     def fail(self, error: BaseException) -> None:
         """The copy failed: the writer's :meth:`get` raises ``error``."""
@@ -258,11 +362,18 @@ class ShardStream:
         """The persist ended: give every chunk back; ``hung``: a writer that was given up may
         still read the ones it took, so those are retired instead (never reused). Idempotent."""
         with self._cv:
-            self._closed = True
+            was, self._closed = self._closed, True
             ready, reading = list(self._ready.values()), list(self._reading.values())
             self._ready.clear()
             self._reading.clear()
             self._cv.notify_all()
+        if self.pool.shared:
+            # A writer process given up is killed (ProcessBackend), so every chunk comes back.
+            if not was:
+                self.pool.closed(self.token)
+            for c in ready:
+                self.pool.release(c)
+            return
         for c in ready:
             self.pool.release(c)
         if hung and reading:
@@ -273,6 +384,62 @@ class ShardStream:
         else:
             for c in reading:
                 self.pool.release(c)
+
+
+class RemoteStream:
+    """A writer process's side of a :class:`ShardStream` of a shared pool (what the stream's
+    :meth:`~ShardStream.handle` pickles into): the same ``get``/``written``/``release_taken``,
+    through the pool's file and mailbox, polled (a window is copied in microseconds to
+    milliseconds; the poll backs off from 0.2 ms to 5 ms)."""
+
+    path = None
+
+    def __init__(self, pool_path: str, mail_path: str, count: int, chunk_bytes: int, token: int, nbytes: int):
+        self.pool_path, self.mail_path, self.count = pool_path, mail_path, count
+        self.chunk_bytes, self.token, self.nbytes = chunk_bytes, token, nbytes
+        self.windows = math.ceil(nbytes / chunk_bytes)
+        self._taken: dict[int, int] = {}
+        self._maps = None
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_maps"], d["_taken"] = None, {}
+        return d
+
+    window = ShardStream.window
+
+    def _attach(self):
+        if self._maps is None:
+            buf = torch.from_file(self.pool_path, shared=True, size=self.count * self.chunk_bytes,
+                                  dtype=torch.uint8).numpy()
+            self._maps = (buf,) + _mailbox(self.mail_path, self.count)
+        return self._maps
+
+    def get(self, w: int, check=lambda: None) -> memoryview:
+        buf, rows, ring = self._attach()
+        pause = 0.0002
+        while True:
+            hit = np.nonzero((rows[:, 0] == self.token) & (rows[:, 1] == w) & (rows[:, 2] == READY))[0]
+            if len(hit):
+                c = int(hit[0])
+                rows[c, 2] = TAKEN
+                self._taken[w] = c
+                a, b = self.window(w)
+                return memoryview(buf[c * self.chunk_bytes:c * self.chunk_bytes + (b - a)])
+            if (ring == self.token).any():
+                raise Cancelled(f"window {w} of a closed stream")
+            check()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    def written(self, w: int) -> None:
+        c = self._taken.pop(w, None)
+        if c is not None:
+            self._attach()[1][c, 2] = DONE
+
+    def release_taken(self) -> None:
+        for w in list(self._taken):
+            self.written(w)
 
 
 def copy_windows(streams: list[ShardStream], layout, tensors: dict[str, torch.Tensor], *,

@@ -118,7 +118,8 @@ class PersistJob:
     streams: list | None = field(default=None, repr=False)
     """Instead of arenas, under a host-memory budget: one
     :class:`~cfdist.checkpoint.chunks.ShardStream` per shard, whose windows the snapshot is
-    still copying while this job writes the first ones (in-process only)."""
+    still copying while this job writes the first ones; pickled as
+    :class:`~cfdist.checkpoint.chunks.RemoteStream` s (a shared pool's)."""
     gate: "CommitGate | None" = None
     """Set by a backend that can give the write up: claimed by the writer before it commits."""
     rolled_back: dict[int, str] | None = None
@@ -153,10 +154,10 @@ class PersistJob:
     written under the final prefix, which a later clearing would delete."""
 
     def __getstate__(self):
-        if self.streams is not None:
-            raise TypeError("a PersistJob streamed through a host-memory budget is written in-process only")
         d = dict(self.__dict__)
         d["arenas"] = None
+        if self.streams is not None:   # what the writer process reads them through (TypeError: in-process only)
+            d["streams"] = [s.handle() for s in self.streams]
         return d
 
     def close_streams(self, *, hung: bool = False) -> None:
@@ -659,6 +660,8 @@ class ThreadBackend:
     """
 
     needs_shared_memory = False
+    streams = True
+    """Writes snapshots streamed through a host-memory budget (:mod:`cfdist.checkpoint.chunks`)."""
 
     def __init__(self, storages: list[Storage]):
         self.storages = storages
@@ -751,6 +754,8 @@ class ProcessBackend:
     """
 
     needs_shared_memory = True
+    streams = True
+    """Reads snapshots streamed through a host-memory budget from a shared chunk pool."""
 
     def __init__(self, storages: list[Storage], storage_options: dict | None = None):
         for s in storages:

@@ -171,11 +171,9 @@ class Snapshotter:
         self.host_memory = host_memory
         """The budget (bytes, or a fraction of the state) that snapshots stream through, or None:
         full host arenas. Then ``host`` holds each set's :class:`~cfdist.checkpoint.chunks.ShardStream` s."""
-        if host_memory is not None and shared:
-            raise ValueError("host_memory= streams snapshots in-process: a writer process or a node actor "
-                             "cannot read them (use the thread backend)")
         chunking.check_budget(host_memory, n_shards, whole_bytes)
         self.pool: chunking.ChunkPool | None = None
+        self._old_pools: list = []   # replaced for a new layout; their files go at close
         self.on_wait = None
         """Called between the gate's polls while a budgeted copy waits (the Checkpointer gives up
         persists past their timeout there: their chunks are what the copy waits for)."""
@@ -285,10 +283,10 @@ class Snapshotter:
                 f"{first_bytes} bytes of tensors the next forward mutates (module buffers, bare tensors: copied "
                 f"whole before step returns) are set aside; it needs at least {first_bytes + least * chunking.ALIGN}")
         if self.pool is None or self.pool.budget != budget:
-            if self.pool is not None and self.pool.held:
-                log.debug("a new chunk pool of %d bytes; %d chunks of the old one are still held by persists",
-                          budget, self.pool.held)
-            self.pool = chunking.ChunkPool(budget, pin=torch.cuda.is_available(), least=least)
+            if self.pool is not None:   # persists in flight may still read it: closed with the rest
+                self._old_pools.append(self.pool)
+            self.pool = chunking.ChunkPool(budget, pin=torch.cuda.is_available() and not self.shared, least=least,
+                                           shared=self.shared, shm_dir=self.shm_dir)
 
     def _start_streaming(self, tensors: dict[str, torch.Tensor], first) -> None:
         """A budgeted snapshot: ``first`` copied whole now, the rest window by window through
@@ -458,8 +456,9 @@ class Snapshotter:
     def close_arenas(self) -> None:
         for a in self.host + self.gpu + [a for _, _, host in self._stash for a in host]:
             a.close()
-        if self.pool is not None:   # its counters stay readable (stats after close)
-            self.pool.close()
+        for pool in self._old_pools + ([self.pool] if self.pool is not None else []):
+            pool.close()   # the current one's counters stay readable (stats after close)
+        self._old_pools = []
         self.host, self.gpu, self._sig, self.layout, self._gpu_sig = [], [], None, None, None
         self._stash = [(None, None, []) for _ in range(self.buffers)]
 

@@ -60,6 +60,8 @@ class RankWorker:
         self._live_saving = threading.Event()
         self.sigterm_handled = False
         self._training = False
+        self._finishing = False   # the loop returned: the final checkpoint and the barrier run
+        self._ended = threading.Event()   # run() returned or raised (this attempt)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -158,6 +160,14 @@ class RankWorker:
                                 restore_tier=restore_tier, live=self.live_timeout_s is not None)
         t0 = time.perf_counter()
         self._training = True
+        self._ended.clear()
+        try:
+            return self._run(train_fn, t0)
+        finally:
+            self._finishing = False
+            self._ended.set()
+
+    def _run(self, train_fn, t0: float) -> dict:
         try:
             value = train_fn(self.ctx)
         except BaseException as e:
@@ -168,12 +178,20 @@ class RankWorker:
             raise
         finally:
             self._training = False
-        out = self.ctx._finish()
+        self._finishing = True
+        try:
+            out = self.ctx._finish()
+            if dist.is_initialized():
+                dist.barrier()   # no rank tears the group down while another still commits
+                dist.destroy_process_group()
+        except Exception:
+            # A peer died after the last step, while the final checkpoint (its RNG exchange) or
+            # the barrier ran: this rank holds the last step's state, the run's very end.
+            log.exception("rank %d (attempt %d): the end of the run failed", self.info.rank, self.info.attempt)
+            self._save_live()
+            raise
         out["seconds"] = time.perf_counter() - t0
         out["value"] = value if self.info.rank == 0 else None
-        if dist.is_initialized():
-            dist.barrier()   # no rank tears the group down while another still commits
-            dist.destroy_process_group()
         return out
 
     def _save_live(self) -> None:
@@ -197,8 +215,22 @@ class RankWorker:
         finally:
             self._live_saving.clear()
 
-    def live_saving(self) -> bool:
-        """Whether this rank is writing its live state after a failure (the driver waits for it)."""
+    def peer_died(self, wait_s: float = 1.5) -> bool:
+        """The driver saw a rank of this attempt die: returns whether this rank is writing its
+        live state (the driver then waits for it), waiting up to ``wait_s`` for it to start or
+        for this rank's run to end. A rank in a collective learns of the death by itself within
+        milliseconds; one at the end of its run may instead wait for the dead rank's RNG states
+        of the last step (the final checkpoint's exchange) for minutes: its persists in flight
+        are given up, so its run's end fails now and it writes its live state of the last step."""
+        if self._finishing and not self._live_saving.is_set() and self.ctx is not None:
+            for ck in self.ctx._ckpts:
+                for p, _ in list(getattr(ck, "_inflight", ())):
+                    if p.abandon():
+                        log.info("rank %d: a peer died at the end of the run; its persist of step %d is given up "
+                                 "for the live state", self.info.rank, p.step)
+        deadline = time.monotonic() + wait_s
+        while not (self._live_saving.is_set() or self._ended.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.005)
         return self._live_saving.is_set()
 
     def recycle(self) -> int:

@@ -31,6 +31,10 @@ _RemoteWorker = ray.remote(RankWorker)
 _ASK_S = 0.2
 """How long a running rank has to answer whether it is writing its live state (a live rank
 answers in milliseconds; one on a lost node never does)."""
+_PEER_DIED_S = 1.5
+"""After a failure, how long a surviving rank has to start writing its live state (a rank in a
+collective starts within milliseconds; :meth:`RankWorker.peer_died` unblocks one at its run's
+end); a rank that has not started by then is not waited for."""
 _PROBE_AFTER_S = 0.05
 """After a first error, how long the other ranks get before the nodes of those still running
 are probed (most outcomes are in by then)."""
@@ -152,8 +156,8 @@ class RayWorkerGroup:
             self._collect(ready)
 
     def _wait_live_saves(self, pending: list[int]) -> None:
-        """After a failure: the ranks still running that are writing their live state
-        (:meth:`RankWorker.live_saving`) are waited for, up to ``live_timeout_s``: the restore
+        """After a failure: the ranks still running are told (:meth:`RankWorker.peer_died`), and
+        those writing their live state are waited for, up to ``live_timeout_s``: the restore
         decision must see the step they write. The others (hung, or on a lost node) are not."""
         if not self.config.live_recovery:
             return
@@ -161,8 +165,8 @@ class RayWorkerGroup:
                 and self._node_of(r) not in self._gone]
         if not left:
             return
-        asks = {r: self.workers[r].live_saving.remote() for r in left}
-        ready, unanswered = ray.wait(list(asks.values()), num_returns=len(asks), timeout=_ASK_S)
+        asks = {r: self.workers[r].peer_died.remote(_PEER_DIED_S) for r in left}
+        ready, unanswered = ray.wait(list(asks.values()), num_returns=len(asks), timeout=_PEER_DIED_S + _ASK_S)
         if unanswered:   # a rank that died: read its answer later, or Ray prints the error unread
             _read_in_background(unanswered)
         saving = []

@@ -39,7 +39,7 @@ COMBOS = [("node", 1, "thread", None), ("node", 2, "thread", None), ("all", 1, "
           ("all", 2, "thread", None), ("all", 2, "process", None),
           # under a host-memory budget (a quarter of the state: raised to the 16 KiB minimum,
           # about half of it) the next update waits for chunks only a persist gives back
-          ("node", 1, "thread", 0.25), ("all", 2, "thread", 0.25)]
+          ("node", 1, "thread", 0.25), ("all", 2, "thread", 0.25), ("node", 1, "process", 0.25)]
 STEPS, EVERY, HUNG, TIMEOUT_S = 10, 2, 4, 3.0
 
 

@@ -1,7 +1,8 @@
 """A host-memory budget for snapshots (``Checkpointer(host_memory=...)``, issue "lean checkpoints").
 
 Real throughout: the Checkpointer, its snapshot thread streaming windows through the chunk pool,
-the persist pipeline and thread backend, ``file://`` storage in tmp_path with fsync and renames
+the persist pipeline, its thread backend and its writer process (reading a shared pool in
+``/dev/shm`` through its mailbox), ``file://`` storage in tmp_path with fsync and renames
 (buffered and ``O_DIRECT`` writes), ``cfdist.load`` verifying every checksum; SIGKILL of real
 training processes; peak RSS read from the kernel (``/proc/self/status``).
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import errno
+import glob
+import os
 import json
 import subprocess
 import sys
@@ -21,7 +24,8 @@ import torch
 import cfdist
 from cfdist.checkpoint.chunks import minimum_budget
 from cfdist.checkpoint.discovery import committed_steps
-from cfdist.storage import open_storage
+from cfdist.checkpoint.persist import ThreadBackend
+from cfdist.storage import open_storage, open_storages
 from cfdist.checkpoint.format import parse_step_dir
 from cfdist.testing import StorageWrapper
 
@@ -54,14 +58,16 @@ def _assert_checkpoint_is(url, step, want):
             assert torch.equal(got["optim"]["state"][i][k], t), f"step {step}: optimizer {i}.{k} differs"
 
 
-@pytest.mark.parametrize("budget,buffers,roots,io", [
-    (0.1, 1, 1, "buffered"),            # a tenth of the state: raised to the minimum, every copy waits
-    (64 << 10, 2, 1, "auto"),           # bytes; double buffered (the persists in flight share it); O_DIRECT
-    (0.25, 1, 2, "auto"),               # striped over two roots, written in parallel
-    (0.5, 2, 2, "buffered"),
-    (1.0, 1, 1, "auto"),                # the whole state: the module buffers' copies still count
+@pytest.mark.parametrize("budget,buffers,roots,io,backend", [
+    (0.1, 1, 1, "buffered", "thread"),  # a tenth of the state: raised to the minimum
+    (64 << 10, 2, 1, "auto", "thread"),  # bytes; double buffered (the persists in flight share it); O_DIRECT
+    (0.25, 1, 2, "auto", "thread"),     # striped over two roots, written in parallel
+    (0.5, 2, 2, "buffered", "thread"),
+    (1.0, 1, 1, "auto", "thread"),      # the whole state: the module buffers' copies still count
+    (0.1, 1, 1, "auto", "process"),     # a writer process reads the chunks from /dev/shm
+    (0.25, 2, 2, "buffered", "process"),
 ])
-def test_every_checkpoint_under_a_budget_is_the_state_of_its_step(tmp_path, budget, buffers, roots, io):
+def test_every_checkpoint_under_a_budget_is_the_state_of_its_step(tmp_path, budget, buffers, roots, io, backend):
     """Every(1) for 8 steps: each committed checkpoint equals the state at the end of its step
     (``torch.equal``), and no chunk was allocated beyond the budget (below the state's 170 KB
     but for the last case)."""
@@ -69,7 +75,8 @@ def test_every_checkpoint_under_a_budget_is_the_state_of_its_step(tmp_path, budg
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     urls = [f"file://{tmp_path / f'r{i}'}" for i in range(roots)]
     ckpt = cfdist.Checkpointer({"model": model, "optim": opt}, urls if roots > 1 else urls[0], cfdist.Every(1),
-                               keep=100, buffers=buffers, host_memory=budget, persist=cfdist.PersistOptions(io=io))
+                               keep=100, buffers=buffers, host_memory=budget,
+                               persist=cfdist.PersistOptions(io=io, backend=backend))
     want = _train(ckpt, model, opt, 8)
     ckpt.close()
     s = ckpt.stats
@@ -79,6 +86,7 @@ def test_every_checkpoint_under_a_budget_is_the_state_of_its_step(tmp_path, budg
     limit = budget if isinstance(budget, int) else max(minimum_budget(roots), int(budget * state))
     assert s["arena_bytes"] <= limit, (s["arena_bytes"], limit)   # never more chunks than the budget holds
     assert committed_steps(open_storage(urls[0])) == list(range(1, 9))
+    assert not glob.glob(f"/dev/shm/cfdist-{os.getpid()}-*"), "a chunk pool's files outlived close()"
     url = urls if roots > 1 else urls[0]
     for step in (1, 5, 8):
         _assert_checkpoint_is(url, step, want[step])
@@ -137,8 +145,12 @@ def test_a_budget_that_cannot_work_is_refused_with_the_minimum(tmp_path):
         cfdist.Checkpointer(state, url, host_memory=1.5)
     with pytest.raises(TypeError, match="host_memory must be"):
         cfdist.Checkpointer(state, url, host_memory="1G")
-    with pytest.raises(ValueError, match="thread"):
-        cfdist.Checkpointer(state, url, host_memory=0.5, persist=cfdist.PersistOptions(backend="process"))
+    class WholeSnapshots(ThreadBackend):   # stands for cfdist.fit's node-actor backend (needs Ray)
+        streams = False
+
+    with pytest.raises(ValueError, match="reads whole snapshots"):
+        cfdist.Checkpointer(state, url, host_memory=0.5, persist=cfdist.PersistOptions(
+            backend=WholeSnapshots(open_storages(url))))
     with pytest.raises(ValueError, match="codecs"):
         cfdist.Checkpointer(state, url, host_memory=0.5, codecs=[cfdist.codecs.Zstd()])
     assert not (tmp_path / "ckpt").exists() or committed_steps(open_storage(url)) == []

@@ -42,12 +42,16 @@ class Indexed(torch.utils.data.Dataset):
 
 def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: float = 0.05,
                hold_small: tuple[int, int, str] | None = None, freeze_at: tuple[int, int] | None = None,
-               ckpt_kwargs: dict | None = None):
+               ckpt_kwargs: dict | None = None, hold_end: str | None = None):
     """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state.
 
     ``freeze_at=(rank, step)``: in the first attempt, that rank's process SIGSTOPs itself right
     after logging that step (a frozen process: a hung driver call, a stuck NFS read).
     ``ckpt_kwargs``: further Checkpointer arguments (``buffers``, ``codecs``).
+    ``hold_end=event_log``: in the first attempt, rank 1 leaves the loop after its last step only
+    once the driver logged a failure, while rank 0 goes on to the end of its run (its final
+    checkpoint then waits for rank 1's RNG states of the last step): an injected failure of
+    rank 1 lands at rank 0's very end.
 
     ``hold_small=(world_size, step, event_log)``: a group of that world size does not train past
     ``step`` until the driver logged its decision to grow (a node that returns takes seconds to
@@ -85,11 +89,14 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
                 _wait_for_decision(hold_small[2], "grow_at_next_checkpoint")
             if ckpt.step_count >= steps:
                 break
+    if hold_end is not None and ctx.rank == 1 and ctx.attempt == 0:
+        _wait_for_decision(hold_end, "", event="failure")
     log.close()
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
-def _wait_for_decision(event_log: str, what: str, timeout_s: float = 180.0) -> None:
+def _wait_for_decision(event_log: str, what: str, timeout_s: float = 180.0, event: str = "decision") -> None:
+    """Until the driver logged ``event`` (with ``what``, for a decision)."""
     def decided():
         if not os.path.exists(event_log):
             return False
@@ -97,7 +104,7 @@ def _wait_for_decision(event_log: str, what: str, timeout_s: float = 180.0) -> N
             for line in f:
                 if line.strip().endswith("}"):
                     rec = json.loads(line)
-                    if rec.get("event") == "decision" and rec.get("what") == what:
+                    if rec.get("event") == event and (event != "decision" or rec.get("what") == what):
                         return True
         return False
     try:
