@@ -33,6 +33,9 @@ def register(sub) -> None:
                    help="where results.json, report.md and the PNGs go (default cfdist-runs/bench)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no further block after this many minutes (skipped blocks are listed)")
+    p.add_argument("--only", default=None, metavar="BLOCKS",
+                   help="run only these blocks of the mode, comma-separated (main, workload, budget, auto, size, "
+                        "ranks); the disk and memory references and the restores always run")
     p.add_argument("--note", default=None, help="a line for the report, e.g. 'machine shared with other jobs'")
     p.add_argument("--render", metavar="DIR", default=None, help="only re-render DIR/results.json")
     p.add_argument("--docs", "--readme", dest="readme", action="store_true",
@@ -78,6 +81,7 @@ def command_args(a) -> list[str]:
     out += ["--big"] * a.big + ["--recovery"] * a.recovery
     out += (["--k", str(a.k)] if a.k != 5 else []) + (["--dir", a.dir] if a.dir else [])
     out += ["--max-minutes", f"{a.max_minutes:g}"] if a.max_minutes else []
+    out += ["--only", a.only] if a.only else []
     return out + ["--out", a.out] + (["--note", a.note] if a.note else [])
 
 
@@ -94,7 +98,8 @@ def main(a) -> int:
         print(f"wrote {write_report(results, a.render)}")
         return 0
     cfg = suite.SuiteConfig(mode=a.mode, big=a.big, recovery=a.recovery, dir=a.dir, k=a.k,
-                            max_minutes=a.max_minutes)
+                            max_minutes=a.max_minutes,
+                            only=tuple(x.strip() for x in a.only.split(",") if x.strip()) if a.only else None)
     results = suite.run(cfg, argv=command_args(a), log=lambda s: print(s, flush=True))
     if a.note:
         results["note"] = a.note

@@ -53,18 +53,31 @@ class SuiteConfig:
     max_minutes: float | None = None
     """Start no further block after this many minutes (the ones skipped are listed in the
     results and the report); None: run every block."""
+    only: tuple[str, ...] | None = None
+    """Run only the blocks of these names (``main``, ``workload``, ``budget``, ``auto``,
+    ``size``, ``ranks``); None: all of the mode's."""
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an int >= 1 (steps between checkpoints), got {self.k!r}")
+        if self.only is not None:
+            names = {b.name for mode in MODES for b in plan(SuiteConfig(mode=mode, big=True))}
+            unknown = sorted(set(self.only) - names)
+            if unknown or not self.only:
+                raise ValueError(f"only= names blocks: {', '.join(sorted(names))}; got {list(self.only)!r}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"max_minutes must be > 0 (or None for no limit), got {self.max_minutes!r}")
 
 
 def plan(cfg: SuiteConfig) -> list[Block]:
     """The blocks a configuration runs, in order. Pure."""
+    blocks = _plan(cfg)
+    return blocks if cfg.only is None else [b for b in blocks if b.name in cfg.only]
+
+
+def _plan(cfg: SuiteConfig) -> list[Block]:
     k = cfg.k
     if cfg.mode == "quick":
         return [Block(name="main", workload="mlp", state_mb=4, world=2, methods=list(CORE), k=2, warmup=2,

@@ -226,3 +226,10 @@ def test_recovery_table_reads_bench_recovery_json():
 def test_the_full_reports_link_is_relative_to_the_page_that_holds_the_table():
     assert report.relative_report_path("docs/bench", "docs/benchmarks.md") == "bench/report.md"
     assert report.relative_report_path("docs/bench", "README.md") == "docs/bench/report.md"
+
+
+def test_only_runs_the_named_blocks_and_refuses_unknown_names():
+    only = plan(SuiteConfig(only=("budget",)))
+    assert {b.name for b in only} == {"budget"} and {b.workload for b in only} == {"mlp", "dlrm"}
+    with pytest.raises(ValueError, match="only= names blocks"):
+        SuiteConfig(only=("bugdet",))
