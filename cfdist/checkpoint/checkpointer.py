@@ -201,7 +201,8 @@ class Checkpointer:
                                  "one of the two")
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory,
                                  buffers=self.config.buffers, host_memory=host_memory,
-                                 whole_bytes=st.mutable_in_forward_bytes(state) if self.writer and host_memory else 0)
+                                 whole_bytes=st.mutable_in_forward_bytes(state) if self.writer and host_memory else 0,
+                                 keeps_hung_writers=getattr(self.backend, "keeps_hung_writers", False))
         if host_memory is not None:   # the budgeted gate waits for chunks that only persists give back
             self._snap.on_wait = self._expire_inflight
         if self.writer and persist.io == "direct":   # asked for explicitly: refuse where it cannot be had

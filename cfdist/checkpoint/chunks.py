@@ -128,7 +128,7 @@ class ChunkPool:
     written before its state)."""
 
     def __init__(self, budget: int, *, pin: bool = False, least: int = MIN_CHUNKS, shared: bool = False,
-                 shm_dir: str | None = None):
+                 shm_dir: str | None = None, keeps_hung_writers: bool = False):
         if budget < least * ALIGN:
             raise ValueError(f"a chunk pool of {budget} bytes is too small: it needs {least} chunks of at least "
                              f"{ALIGN} bytes ({least * ALIGN} bytes)")
@@ -138,6 +138,9 @@ class ChunkPool:
         self.pin = pin
         self.path: str | None = None
         self.mail_path: str | None = None
+        self.keeps_hung_writers = keeps_hung_writers
+        """A writer given up lives on (a node actor; a writer process is killed): in a shared pool
+        the chunks it took are then retired, and the pool has that many fewer."""
         if shared:
             d = shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
             if d is None:
@@ -236,6 +239,21 @@ class ChunkPool:
                 owner[0]._forget(owner[1])
             self._free.append(self._shm[c * self.chunk_bytes:(c + 1) * self.chunk_bytes])
         return bool(len(done))
+
+    def taken(self, chunk: torch.Tensor) -> bool:
+        """Whether a writer has taken ``chunk`` and not said it is done with it."""
+        return int(self._rows[self.slot(chunk), 2]) == TAKEN
+
+    def retire_shared(self, chunk: torch.Tensor) -> None:
+        """A writer given up that lives on may still read ``chunk``: never hand it out again."""
+        with self._cv:
+            c = self.slot(chunk)
+            self._owner.pop(c, None)
+            self._rows[c, 0] = 0
+            self.count -= 1
+            self.retired += 1
+        log.warning("a persist given up still holds a chunk of %d bytes in its writer: it is retired; the shared "
+                    "pool has %d chunks left", self.chunk_bytes, self.count)
 
     def closed(self, token: int) -> None:
         """Stream ``token`` was closed: a writer process waiting for one of its windows stops."""
@@ -368,11 +386,13 @@ class ShardStream:
             self._reading.clear()
             self._cv.notify_all()
         if self.pool.shared:
-            # A writer process given up is killed (ProcessBackend), so every chunk comes back.
             if not was:
                 self.pool.closed(self.token)
             for c in ready:
-                self.pool.release(c)
+                if hung and self.pool.keeps_hung_writers and self.pool.taken(c):
+                    self.pool.retire_shared(c)   # the writer lives on and may still read it
+                else:   # a writer process given up is killed (ProcessBackend): every chunk comes back
+                    self.pool.release(c)
             return
         for c in ready:
             self.pool.release(c)

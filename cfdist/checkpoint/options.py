@@ -163,9 +163,9 @@ class CheckpointerConfig:
     earlier ones, so with a budget ``B`` below the state's ``S`` bytes the next update waits
     until ``S - B`` bytes reached storage (the stall's floor is ``(S - B) /`` write bandwidth).
     The budget holds whatever ``buffers`` says (the persists in flight share it) and is per
-    writer process. The thread and process backends (the latter through a shared pool in
-    ``/dev/shm``), not ``cfdist.fit``'s node actors yet, and no codecs; the tensors the next
-    forward mutates (module buffers) are copied whole and count against it."""
+    writer process. Every backend (the process one and ``cfdist.fit``'s node actors through a
+    shared pool in ``/dev/shm``; a node's memory tier is not counted), no codecs; the tensors
+    the next forward mutates (module buffers) are copied whole and count against it."""
     persist: PersistOptions = field(default_factory=PersistOptions)
     """How checkpoints are written: :class:`PersistOptions`."""
     load: LoadOptions = field(default_factory=LoadOptions)

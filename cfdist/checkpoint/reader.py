@@ -34,6 +34,25 @@ counts only if its manifest exists. It lets discovery see a commit that a laggin
 listing does not show yet (listings may lag behind writes; reading a key does not)."""
 
 
+def map_shard_data(storages: list[Storage], step: int, files: list[tuple[int, str]]) -> list[torch.Tensor]:
+    """The data sections of committed ``step``'s shard files ``[(root, file name)]`` on local
+    storages, mapped (no copy; copy-on-write, so nothing can change them): uint8 tensors laid
+    out like the arenas the step was written from, starting at a page boundary (local shards pad
+    their header to it). A node actor writes its local tier from its memory tier's files this
+    way when the snapshot was streamed and no arena holds it any more."""
+    import mmap
+
+    out = []
+    for root, name in files:
+        path = storages[root].path(f"{step_dir(step)}/{name}")
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        start, _ = parse_safetensors_header(mm[:8 + int.from_bytes(mm[:8], "little")], where=path)
+        out.append(torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=len(mm) - start)
+                   if len(mm) > start else torch.empty(0, dtype=torch.uint8))
+    return out
+
+
 def is_committed(storage: Storage, step: int) -> bool:
     """Whether ``step`` has a manifest on this (root-0) storage: asks for the key itself, so it is
     right even while a listing lags behind writes. Use it to check the step just written."""

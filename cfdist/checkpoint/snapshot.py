@@ -166,7 +166,7 @@ class Snapshotter:
 
     def __init__(self, *, n_shards: int = 1, shared: bool = False, shm_dir: str | None = None,
                  gpu_headroom: float = GPU_HEADROOM, buffers: int = 1, host_memory: int | float | None = None,
-                 whole_bytes: int = 0):
+                 whole_bytes: int = 0, keeps_hung_writers: bool = False):
         self.buffers = buffers
         self.host_memory = host_memory
         """The budget (bytes, or a fraction of the state) that snapshots stream through, or None:
@@ -174,6 +174,7 @@ class Snapshotter:
         chunking.check_budget(host_memory, n_shards, whole_bytes)
         self.pool: chunking.ChunkPool | None = None
         self._old_pools: list = []   # replaced for a new layout; their files go at close
+        self.keeps_hung_writers = keeps_hung_writers
         self.on_wait = None
         """Called between the gate's polls while a budgeted copy waits (the Checkpointer gives up
         persists past their timeout there: their chunks are what the copy waits for)."""
@@ -286,7 +287,8 @@ class Snapshotter:
             if self.pool is not None:   # persists in flight may still read it: closed with the rest
                 self._old_pools.append(self.pool)
             self.pool = chunking.ChunkPool(budget, pin=torch.cuda.is_available() and not self.shared, least=least,
-                                           shared=self.shared, shm_dir=self.shm_dir)
+                                           shared=self.shared, shm_dir=self.shm_dir,
+                                           keeps_hung_writers=self.keeps_hung_writers)
 
     def _start_streaming(self, tensors: dict[str, torch.Tensor], first) -> None:
         """A budgeted snapshot: ``first`` copied whole now, the rest window by window through

@@ -49,9 +49,9 @@ import torch
 
 from cfdist.checkpoint import slices
 from cfdist.checkpoint.discovery import read_tensors, sweep
-from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TMP_MARK, TensorEntry, step_dir
+from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TMP_MARK, TensorEntry, shard_name, step_dir
 from cfdist.checkpoint.persist import CommitInfo, GateDir, PersistJob, ShardJob, pid_alive, write_checkpoint
-from cfdist.checkpoint.reader import committed_steps, is_committed, read_manifest
+from cfdist.checkpoint.reader import committed_steps, is_committed, map_shard_data, read_manifest
 from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.cluster import transfer
 from cfdist.cluster.config import FitConfig
@@ -292,6 +292,11 @@ class NodeCheckpointer:
             for tier, sts, jb in (("memory", self.mem, in_memory), ("local", self.local, job)):
                 if sts is None or (tier != "memory" and not to_disk and self.mem is not None):
                     continue
+                if job.streams is not None and infos:
+                    # streamed (a host-memory budget): the windows went into the memory tier as they
+                    # came and were given back; the local tier is written from its files
+                    jb = dataclasses.replace(job, streams=None, arenas=map_shard_data(
+                        self.mem, job.step, [(s.root, shard_name(s.index, s.count)) for s in job.shards]))
                 info = write_checkpoint(sts, jb)
                 infos.append(info)
                 self._event("checkpoint_committed", step=job.step, tier=tier, bytes=info.bytes,
@@ -675,6 +680,12 @@ class ActorBackend:
     """
 
     needs_shared_memory = True
+    streams = True
+    """Takes snapshots streamed through a host-memory budget (a shared chunk pool): the node
+    actor writes the windows into the memory tier, and the local tier from the memory tier's files."""
+    keeps_hung_writers = True
+    """A persist given up here is not killed (the node actor lives on): the chunks it may still
+    read are retired."""
 
     def __init__(self, actor, attempt: int, policy=None):
         self.actor = actor

@@ -153,6 +153,30 @@ def test_live_recovery_with_two_ranks_per_node_double_buffering_and_a_codec(fake
     check_exactly_once(str(out), STEPS)
 
 
+def test_fit_under_a_host_memory_budget_streams_into_the_node_tiers_and_recovers_bit_exact(
+        fake_cluster, reference, tmp_path):
+    """``ctx.checkpointer(..., host_memory=0.5)``: each writer rank streams its snapshots through
+    a shared chunk pool into its node actor, which writes the memory tier from the windows and
+    the local tier from the memory tier's files. Rank 1 is killed at step 10; the next group
+    restores from the memory tiers. Final parameters equal the reference, every local-tier
+    checkpoint loads (checksums verified) and no chunk pool file is left in /dev/shm."""
+    fake_cluster.ensure_workers(2)
+    result, out = _fit(fake_cluster, tmp_path, "budget", ckpt_kwargs={"host_memory": 0.5},
+                       schedule=StepSchedule([AtStep(step=10, kind="crash", rank=1)]))
+    assert result.failures == 1 and result.final_step == STEPS
+    (f,) = result.failure_stats
+    assert f.tier in ("memory", "peer") and f.lost_iterations <= 1, f
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+    for node in ("n0", "n1"):
+        root = f"file://{tmp_path}/{node}/local/budget"
+        steps = [c["step"] for c in cfdist.list_checkpoints(root)]
+        assert steps and steps[-1] == STEPS, (node, steps)
+        _assert_same(load(root)["state"]["model"], {"module." + k: v for k, v in reference.items()})
+    pids = {p for logs in glob.glob(f"{result.log_dir}/rank-worker-*.log") for p in re.findall(r"pid (\d+)", open(logs).read())}
+    assert not [p for p in glob.glob("/dev/shm/cfdist-*.arena") if p.split("-")[1] in pids], "a chunk pool outlived its rank"
+
+
 def test_a_frozen_rank_is_killed_after_hang_timeout_and_the_run_recovers_from_the_survivors_live_state(
         fake_cluster, reference, tmp_path):
     """Rank 1's process freezes (SIGSTOP, from inside it) right after step 10; rank 0 then waits
