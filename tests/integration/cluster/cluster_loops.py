@@ -42,12 +42,15 @@ class Indexed(torch.utils.data.Dataset):
 
 def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: float = 0.05,
                hold_small: tuple[int, int, str] | None = None, freeze_at: tuple[int, int] | None = None,
-               ckpt_kwargs: dict | None = None, hold_end: str | None = None):
+               ckpt_kwargs: dict | None = None, hold_end: str | None = None,
+               spin_at: tuple[int, int] | None = None):
     """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state.
 
     ``freeze_at=(rank, step)``: in the first attempt, that rank's process SIGSTOPs itself right
     after logging that step (a frozen process: a hung driver call, a stuck NFS read).
     ``ckpt_kwargs``: further Checkpointer arguments (``buffers``, ``codecs``).
+    ``spin_at=(rank, step)``: in the first attempt, that rank loops for ever after that step
+    (its process still answers the driver).
     ``hold_end=event_log``: in the first attempt, rank 1 leaves the loop after its last step only
     once the driver logged a failure, while rank 0 goes on to the end of its run (its final
     checkpoint then waits for rank 1's RNG states of the last step): an injected failure of
@@ -84,6 +87,9 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
             ctx.report(step_rank=ctx.rank)
             if freeze_at == (ctx.rank, ckpt.step_count) and ctx.attempt == 0:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if spin_at == (ctx.rank, ckpt.step_count) and ctx.attempt == 0:
+                while True:   # a hang in the loop's own code: the process still answers
+                    time.sleep(0.05)
             time.sleep(step_sleep_s)
             if hold_small is not None and ctx.world_size == hold_small[0] and ckpt.step_count == hold_small[1]:
                 _wait_for_decision(hold_small[2], "grow_at_next_checkpoint")

@@ -44,12 +44,12 @@ EVERY = 4
 
 
 def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, hold_small=None,
-         freeze_at=None, ckpt_kwargs=None, workers_per_node=1, hold_end=False, **kw):
+         freeze_at=None, ckpt_kwargs=None, workers_per_node=1, hold_end=False, spin_at=None, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s,
                              hold_small=hold_small, freeze_at=freeze_at, ckpt_kwargs=ckpt_kwargs,
-                             hold_end=str(tmp / f"{name}.jsonl") if hold_end else None)
+                             hold_end=str(tmp / f"{name}.jsonl") if hold_end else None, spin_at=spin_at)
     result = fit(loop,
                  num_nodes=num_nodes, workers_per_node=workers_per_node, storage=f"file://{tmp}/{{node}}/local",
                  policy=Every(EVERY), preemption=schedule, run_name=name,
@@ -200,6 +200,24 @@ def test_a_frozen_rank_is_killed_after_hang_timeout_and_the_run_recovers_from_th
                    and r["t"] > failure["t"]]
     assert restored["detect_s"] >= 5.0, restored   # the detect phase shows the timeout it took
     assert result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+
+
+def test_a_hang_every_rank_shares_stops_the_group_and_rolls_back(fake_cluster, reference, tmp_path):
+    """Rank 1 loops for ever in its own code after step 10 (its process answers; rank 0 waits
+    in the next all-reduce). After ``hang_timeout_s`` both ranks answer the driver, so nothing
+    tells the hung one apart: the whole group is stopped, and the run restores the newest
+    checkpoint (no survivor wrote a live state). Final parameters equal the reference."""
+    fake_cluster.ensure_workers(2)
+    result, out = _fit(fake_cluster, tmp_path, "spin", spin_at=(1, 10),
+                       recovery=cfdist.RecoveryOptions(hang_timeout_s=5.0))
+    assert result.failures == 1 and result.final_step == STEPS
+    recs = _records(tmp_path / "spin.jsonl")
+    (hang,) = [r for r in recs if r["event"] == "hang"]
+    assert sorted(hang["ranks"]) == [0, 1] and not hang["frozen"], hang
+    (f,) = result.failure_stats
+    assert f.restored_step % EVERY == 0 and f.restored_step <= 10, f   # a checkpoint, not a live state
     _assert_same(result.value, reference)
     check_exactly_once(str(out), STEPS)
 
