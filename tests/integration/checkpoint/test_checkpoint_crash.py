@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.checkpoint.format import TMP_MARK, parse_step_dir
@@ -172,8 +174,11 @@ def _writer_processes(pid: int) -> list[int]:
     return out
 
 
-def test_sigkill_of_the_writer_process_keeps_training_and_the_next_checkpoint_commits(children, tmp_path):
-    """``backend="process"``: the spawned writer process is SIGKILLed twice while it writes.
+@pytest.mark.parametrize("budget", [None, 0.1], ids=["arenas", "host_memory"])
+def test_sigkill_of_the_writer_process_keeps_training_and_the_next_checkpoint_commits(children, tmp_path, budget):
+    """``backend="process"``: the spawned writer process is SIGKILLed twice while it writes
+    (from full arenas, or from a shared chunk pool under ``host_memory=0.1``: the chunks the
+    dead writer had taken come back when its persist ends, and the copy waiting for them goes on).
 
     Real: the training process (forked from the warm server), its spawned writer process
     reading the snapshot from /dev/shm, ``file://`` storage, SIGKILL of the writer found in
@@ -188,7 +193,7 @@ def test_sigkill_of_the_writer_process_keeps_training_and_the_next_checkpoint_co
     st = open_storage(url)
     steps = 60
     pid = children.start("crash", run=0, url=url, k=K, out=str(out), hidden=512, data=N_SAMPLES,
-                         backend="process", steps=steps, stats_every=1)
+                         backend="process", steps=steps, stats_every=1, host_memory=budget)
     children.report(out / "restore-0.json", pid)
     for kill in range(2):
         deadline = time.monotonic() + 120
