@@ -232,13 +232,16 @@ class ChunkPool:
     def _reclaim(self) -> bool:
         """Take back the chunks writer processes marked DONE (under the lock); whether any."""
         done = np.nonzero(self._rows[:, 2] == DONE)[0]
+        back = 0
         for c in done.tolist():
             owner = self._owner.pop(int(c), None)
             self._rows[c, 2] = FREE
-            if owner is not None:
-                owner[0]._forget(owner[1])
+            if owner is None:   # released already (its stream was closed), or retired: not twice
+                continue
+            owner[0]._forget(owner[1])
             self._free.append(self._shm[c * self.chunk_bytes:(c + 1) * self.chunk_bytes])
-        return bool(len(done))
+            back += 1
+        return back > 0
 
     def taken(self, chunk: torch.Tensor) -> bool:
         """Whether a writer has taken ``chunk`` and not said it is done with it."""

@@ -128,3 +128,33 @@ def test_budgets_resolve_to_pages_and_a_fraction_of_a_tiny_state_to_the_least_th
     assert chunks.chunk_size(100 << 20) == chunks.CHUNK_MAX
     assert chunks.chunk_size(10 << 20) == (10 << 20) // 4 // ALIGN * ALIGN
     assert chunks.min_chunks(roots=3) == 7
+
+
+def test_a_shared_pool_hands_each_chunk_back_once_through_its_mailbox(tmp_path):
+    """The writer-process side (``RemoteStream``, here in this process over the same files):
+    it takes READY windows, marks them DONE; the pool takes DONE chunks back when it needs one,
+    and a chunk closed and marked DONE late (a writer that lived on) is not handed out twice."""
+    import pickle
+
+    pool = chunks.ChunkPool(chunks.minimum_budget(), shared=True, shm_dir=str(tmp_path))
+    s = chunks.ShardStream(6 * ALIGN, pool)
+    remote = pickle.loads(pickle.dumps(s.handle()))   # what the writer process receives
+    got = [pool.acquire() for _ in range(pool.count)]
+    for w, c in enumerate(got):
+        c.fill_(w + 1)
+        assert s.put(w, c)
+    assert bytes(remote.get(0))[:3] == b"\x01\x01\x01"
+    remote.written(0)                                     # DONE: the pool may take it back
+    again = pool.acquire()                                # reclaimed from the mailbox, no wait
+    assert again.data_ptr() == got[0].data_ptr()
+    remote.get(1)                                         # taken, then the stream is closed
+    s.close()
+    remote.written(1)                                     # a late DONE after the close
+    free = [pool.acquire() for _ in range(pool.count - 1)]
+    assert len({c.data_ptr() for c in free + [again]}) == pool.count   # every chunk once
+    with pytest.raises(chunks.Cancelled):   # all held: the late DONE does not free chunk 1 twice
+        pool.acquire(cancelled=lambda: True)
+    with pytest.raises(chunks.Cancelled):
+        remote.get(4)                                     # the writer learns the stream closed
+    pool.close()
+    assert not list(tmp_path.iterdir())                   # the pool's files are gone
