@@ -5,6 +5,7 @@
     python bench/bench_recovery.py                          # 10 failures per tier
     python bench/bench_recovery.py --failures 10 --tiers memory peer --sections recovery
     python bench/bench_recovery.py --hidden 2048 --steps 200 --sections overhead
+    python bench/bench_recovery.py --sections live --reps 3
 
 On simulated Ray nodes on this machine (:class:`cfdist.cluster.local_cluster.LocalCluster`: one
 raylet per node, a spare third node for replacements, each node its own "local disk"
@@ -14,7 +15,9 @@ directory), one DDP job (an MLP, gloo, 1 rank per node) runs:
    seconds per step side by side, and the checkpoint overhead as their ratio;
 2. ``memory-every``: ``Auto()`` with ``memory_every=1`` (a memory-tier snapshot every step)
    and without, interleaved: seconds per step and fit's wall time;
-3. ``recovery``: once per tier, with ``--failures`` failures injected ``--gap`` steps apart:
+3. ``live``: ``Every(k)`` with live recovery on (the live state kept at every step) and off,
+   no failure, interleaved: seconds per step (the cost of keeping it);
+4. ``recovery``: once per tier, with ``--failures`` failures injected ``--gap`` steps apart:
    ``memory`` (a rank's process SIGKILLed), ``local`` (same, memory tier off), ``peer`` (a node
    lost - every process of it SIGKILLed - and the spare node seeded from the survivor's actor;
    a fresh node joins after each), ``shared`` (the same with peer copies off). Each recovery is
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sections", nargs="+", default=["overhead", "recovery"],
-                   choices=["overhead", "memory-every", "recovery"])
+                   choices=["overhead", "memory-every", "live", "recovery"])
     p.add_argument("--hidden", type=int, default=256, help="MLP width (state = ~2 x 4 B x params)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=150, help="steps of the overhead runs")
@@ -200,6 +203,21 @@ def main(argv=None) -> int:
             out["memory_every"] = {n: {**v, "median_s_per_step": statistics.median(v["s_per_step"]),
                                        "median_wall_s": statistics.median(v["wall_s"]),
                                        "ratio": statistics.median(v["s_per_step"]) / base} for n, v in runs.items()}
+        if "live" in a.sections:
+            # what keeping the live state at every step costs (RecoveryOptions.live_recovery):
+            # failure-free runs with it on and off, interleaved (A B A B ...), Every(k)
+            runs = {n: {"s_per_step": [], "wall_s": []} for n in ("off", "on")}
+            for i in range(a.reps):
+                for n in runs:
+                    res, recs = run(f"live-{n}-{i}", policy=cfdist.Every(a.every), steps=a.steps,
+                                    recovery=cfdist.RecoveryOptions(live_recovery=n == "on"))
+                    runs[n]["s_per_step"].append(seconds_per_step(recs))
+                    runs[n]["wall_s"].append(walls[f"live-{n}-{i}"])
+            base = statistics.median(runs["off"]["s_per_step"])
+            out["live"] = {n: {**v, "median_s_per_step": statistics.median(v["s_per_step"]),
+                               "ratio": statistics.median(v["s_per_step"]) / base} for n, v in runs.items()}
+            con.print(f"  live state kept at every step: {out['live']['on']['ratio']:.3f}x the seconds per step "
+                      f"without it")
         if "recovery" in a.sections:
             extra = {"memory": {}, "local": {"memory_tier": False}, "peer": {},
                      "shared": {"peer_copy": False, "shared_storage": f"file://{work}/shared", "shared_every": 1}}

@@ -106,7 +106,8 @@ class RecoveryOptions:
     asks every rank for its progress, kills the ranks that do not answer within 2 s (a frozen
     process: a SIGSTOP, a hang in a driver call holding the GIL) and recovers as from their
     crash, the survivors writing their live state; when every rank answers (a hang the ranks
-    share), the whole group is stopped and the run rolls back to the last checkpoint. None: no
+    share), the whole group is stopped and the run rolls back to the last checkpoint (not while
+    a rank is at the end of its run, writing the final checkpoint). None: no
     hang detection (torch.distributed's own collective timeout, ``rendezvous_timeout_s``, still
     applies). Longer than any step, checkpoint or evaluation the loop does between two steps."""
 

@@ -218,6 +218,9 @@ class Controller:
         if quiet < h:
             return
         ranks, frozen = stop(quiet)
+        if not ranks:   # the ranks are at the run's end (a long final checkpoint): look again later
+            self._progress_at = self.clock()
+            return
         self._hang = {"since": self._progress_at, "ranks": ranks, "frozen": frozen, "quiet_s": quiet}
         why = (f"rank(s) {ranks} did not answer within 2 s: frozen, killed" if frozen else
                "every rank answered but none completed a step: the whole group is stopped")

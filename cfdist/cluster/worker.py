@@ -265,6 +265,11 @@ class RankWorker:
         """Steps this rank finished in this attempt's numbering (0 before training)."""
         return self.ctx._step if self.ctx is not None else 0
 
+    def finishing(self) -> bool:
+        """Whether the loop returned and the run's end runs (the final checkpoint, the barrier):
+        no steps come any more, and that is no hang."""
+        return self._finishing
+
     def pid(self) -> int:
         return os.getpid()
 

@@ -250,20 +250,23 @@ class RayWorkerGroup:
             pass   # RayActorError: it died, as asked
 
     def stop_hung(self, quiet_s: float) -> tuple[list[int], bool]:
-        """The group completed no step for ``quiet_s``: ask every running rank for its step; the
+        """The group completed no step for ``quiet_s``: ask every running rank where it is; the
         ranks that do not answer within :data:`_HUNG_ASK_S` are frozen and are killed (their
         peers' collectives then fail, and the survivors write their live state, as after a
-        crash). When every rank answers, nothing tells the hung one apart: all are killed.
-        Returns ``(killed ranks, whether they were frozen)``; the next polls report them."""
+        crash). When every rank answers and one is at the run's end (its final checkpoint: no
+        steps come), nothing is done. Otherwise nothing tells the hung one apart: all are
+        killed. Returns ``(killed ranks, whether they were frozen)``; the next polls report them."""
         from cfdist.cluster.quiet import expect_death
 
         running = [r for r in range(len(self.workers)) if r not in self._results
                    and not any(e.rank == r for e in self._errors)]
-        asks = {r: self.workers[r].current_step.remote() for r in running}
+        asks = {r: self.workers[r].finishing.remote() for r in running}
         ready, unanswered = ray.wait(list(asks.values()), num_returns=len(asks), timeout=_HUNG_ASK_S)
         if unanswered:
             _read_in_background(unanswered)
         frozen = [r for r, ref in asks.items() if ref not in ready]
+        if not frozen and any(_answer(asks[r]) for r in running):
+            return [], False   # the run's end (a long final checkpoint): no steps, and no hang
         targets = frozen or running
         why = (f"did not answer within {_HUNG_ASK_S:g} s" if frozen else "the whole group made no progress")
         for r in targets:
@@ -339,6 +342,13 @@ def new_rank_actor(config: FitConfig, node_id: str, info: RankInfo | None):
     ).remote(info, use_gpu=config.use_gpu, timeout_s=config.rendezvous_timeout_s, cpus=config.cpus_per_worker,
              sigterm_grace_s=config.sigterm_grace_s, log_dir=config.log_dir,
              live_timeout_s=config.live_timeout_s if config.live_recovery else None)
+
+
+def _answer(ref) -> bool:
+    try:
+        return bool(ray.get(ref, timeout=1.0))
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
 
 
 def _read_in_background(refs: list, timeout_s: float = 60.0) -> None:

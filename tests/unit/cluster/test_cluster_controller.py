@@ -387,3 +387,29 @@ def test_a_group_without_progress_for_hang_timeout_s_is_stopped_and_the_failure_
 def test_hang_timeout_s_is_validated():
     with pytest.raises(ValueError, match="hang_timeout_s must be a number of seconds > 0, or None"):
         make(FakeBackend(N[:2], []), Clock(), hang_timeout_s=0)
+
+
+def test_a_group_at_the_end_of_its_run_is_not_a_hang():
+    """No step for longer than ``hang_timeout_s`` while the ranks write the final checkpoint:
+    ``stop_hung`` finds them finishing and kills nobody; the controller looks again a timeout
+    later instead of recording a hang."""
+    clock = Clock()
+
+    class Finishing(FakeGroup):
+        calls = 0
+
+        def stop_hung(self, quiet_s):
+            Finishing.calls += 1
+            return [], False
+
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1000, 1)])] + [GroupStatus()] * 6])
+    be.start_group = lambda nodes, choice, attempt, dead: be.groups.append(
+        (Finishing(nodes, be.scripts.pop(0), 1), choice)) or be.groups[-1][0]
+    ctl, ev = make(be, clock, hang_timeout_s=5.0)
+    ctl.step()
+    ctl.step()
+    for _ in range(4):
+        clock.t += 2.0
+        ctl.step()
+    assert Finishing.calls == 1 and ev.of("hang") == [] and isinstance(ctl.state, RunningState)
+    assert ctl._progress_at == 1006.0   # the next look comes a timeout after this one
