@@ -137,7 +137,8 @@ def test_live_recovery_with_two_ranks_per_node_double_buffering_and_a_codec(fake
     a writer) is SIGKILLed at step 10. Node 1's writer survives on the same node and, like node
     0's, writes its live state to its memory tier (encoded by the codec, beside a double-buffered
     persist that may be in flight); the next group resumes from it. Final parameters equal the
-    same job's failure-free run; data exactly once."""
+    same job's failure-free run (to float rounding: four ranks add in an order DDP may change
+    between groups); data exactly once."""
     fake_cluster.ensure_workers(2)
     kw = dict(workers_per_node=2, cpus_per_worker=0.5, ckpt_kwargs={"buffers": 2, "codecs": [cfdist.codecs.Zstd()]})
     ref, out = _fit(fake_cluster, tmp_path, "ref4", **kw)
@@ -149,7 +150,14 @@ def test_live_recovery_with_two_ranks_per_node_double_buffering_and_a_codec(fake
     (f,) = result.failure_stats
     assert f.kind == "crash" and f.restored_step >= 10 and f.lost_iterations <= 1, f
     assert result.final_step == STEPS
-    _assert_same(result.value, ref.value)
+    # Four ranks: the sum of four gradients depends on the order gloo adds them in. One full-suite
+    # run in this session ended 7e-8 away from the reference (two isolated runs were bit-exact);
+    # our best explanation, not confirmed: DDP rebuilds its bucket layout from the order the
+    # gradients became ready in each new group's first step. With two ranks (every other test)
+    # a + b is exact and the comparison is bit for bit.
+    assert result.value.keys() == ref.value.keys()
+    for k in ref.value:
+        assert torch.allclose(result.value[k], ref.value[k], rtol=0, atol=1e-6), f"{k} differs from the failure-free run"
     check_exactly_once(str(out), STEPS)
 
 
