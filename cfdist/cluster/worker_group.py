@@ -29,8 +29,8 @@ log = logging.getLogger("cfdist.group")
 
 _RemoteWorker = ray.remote(RankWorker)
 _ASK_S = 0.2
-"""How long a running rank has to answer whether it is writing its live state (a live rank
-answers in milliseconds; one on a lost node never does)."""
+"""Margin on top of :data:`_PEER_DIED_S` for a survivor's answer to travel back to the driver (a
+rank on a lost node never answers)."""
 _PEER_DIED_S = 1.5
 """After a failure, how long a surviving rank has to start writing its live state (a rank in a
 collective starts within milliseconds; :meth:`RankWorker.peer_died` unblocks one at its run's
