@@ -104,16 +104,21 @@ def chunk_size(budget: int, chunks: int = MIN_CHUNKS) -> int:
 
 
 FREE, READY, TAKEN, DONE = 0, 1, 2, 3
-"""States of a chunk in a shared pool's mailbox (one row ``[token, window, state]`` per chunk)."""
+"""States of a chunk in a shared pool's mailbox (one row ``[token, window, state, seq]`` per chunk)."""
+TOKEN, WINDOW, STATE, SEQ = range(4)
+"""Columns of a mailbox row. ``seq`` is the row's sequence lock: the pool makes it odd while it
+rewrites the row for a new window and even again after, so a writer process, which reads the
+row's words one at a time, never takes a window from a row half rewritten (another stream's
+window with this stream's token, or the other way round)."""
 _RING = 16
 """Tokens of the streams closed most recently, after the mailbox rows: a writer process
 waiting for a window of one of them stops."""
 
 
 def _mailbox(path: str, count: int):
-    """The mailbox of a shared pool (int64, mapped): ``(rows [count, 3], closed-token ring)``."""
-    m = torch.from_file(path, shared=True, size=3 * count + _RING, dtype=torch.int64).numpy()
-    return m[:3 * count].reshape(count, 3), m[3 * count:]
+    """The mailbox of a shared pool (int64, mapped): ``(rows [count, 4], closed-token ring)``."""
+    m = torch.from_file(path, shared=True, size=4 * count + _RING, dtype=torch.int64).numpy()
+    return m[:4 * count].reshape(count, 4), m[4 * count:]
 
 
 class ChunkPool:
@@ -125,7 +130,7 @@ class ChunkPool:
     (:class:`RemoteStream`); who holds which chunk is then told through a mailbox file beside
     it: the copy marks a window READY, the writer TAKEN while it writes, DONE once written, and
     the pool takes DONE chunks back when it needs one (x86's store order: a chunk's bytes are
-    written before its state)."""
+    written before its state, and a row's words in the order its sequence lock relies on)."""
 
     def __init__(self, budget: int, *, pin: bool = False, least: int = MIN_CHUNKS, shared: bool = False,
                  shm_dir: str | None = None, keeps_hung_writers: bool = False):
@@ -208,15 +213,18 @@ class ChunkPool:
             self.peak = max(self.peak, self.held)
             return c
 
-    def release(self, chunk: torch.Tensor, *, posted: bool = True) -> None:
+    def release(self, chunk: torch.Tensor, *, posted: bool = True, owner: tuple | None = None) -> None:
         """``chunk`` is free again. In a shared pool a posted chunk comes back once: by this
-        call or by :meth:`_reclaim` (the writer marked it DONE), whichever comes first."""
+        call or by :meth:`_reclaim` (the writer marked it DONE), whichever comes first.
+        ``owner``: the ``(stream, window)`` the caller posted in it; when the chunk holds
+        another window by now (reclaimed and posted again since), the call does nothing."""
         with self._cv:
             if self.shared and posted:
                 c = self.slot(chunk)
-                if self._owner.pop(c, None) is None:
-                    return   # reclaimed already
-                self._rows[c, 2] = FREE
+                if not self._owns(c, owner):
+                    return   # reclaimed already (and maybe handed out again: not twice)
+                del self._owner[c]
+                self._rows[c, STATE] = FREE
             self._free.append(chunk)
             self._cv.notify()
 
@@ -226,16 +234,24 @@ class ChunkPool:
         c = self.slot(chunk)
         with self._cv:
             self._owner[c] = (stream, w)
-            self._rows[c, 0], self._rows[c, 1] = stream.token, w
-            self._rows[c, 2] = READY   # last: the writer reads the window once it sees this
+            row = self._rows[c]
+            row[SEQ] += 1   # odd: being rewritten
+            row[TOKEN], row[WINDOW] = stream.token, w
+            row[STATE] = READY
+            row[SEQ] += 1   # even: the writer may take it
+
+    def _owns(self, c: int, owner: tuple | None) -> bool:
+        """Whether slot ``c`` is posted (for ``owner``'s window, when given). Under the lock."""
+        cur = self._owner.get(c)
+        return cur is not None and (owner is None or (cur[0] is owner[0] and cur[1] == owner[1]))
 
     def _reclaim(self) -> bool:
         """Take back the chunks writer processes marked DONE (under the lock); whether any."""
-        done = np.nonzero(self._rows[:, 2] == DONE)[0]
+        done = np.nonzero(self._rows[:, STATE] == DONE)[0]
         back = 0
         for c in done.tolist():
             owner = self._owner.pop(int(c), None)
-            self._rows[c, 2] = FREE
+            self._rows[c, STATE] = FREE
             if owner is None:   # released already (its stream was closed), or retired: not twice
                 continue
             owner[0]._forget(owner[1])
@@ -245,14 +261,17 @@ class ChunkPool:
 
     def taken(self, chunk: torch.Tensor) -> bool:
         """Whether a writer has taken ``chunk`` and not said it is done with it."""
-        return int(self._rows[self.slot(chunk), 2]) == TAKEN
+        return int(self._rows[self.slot(chunk), STATE]) == TAKEN
 
-    def retire_shared(self, chunk: torch.Tensor) -> None:
-        """A writer given up that lives on may still read ``chunk``: never hand it out again."""
+    def retire_shared(self, chunk: torch.Tensor, owner: tuple) -> None:
+        """A writer given up that lives on may still read ``chunk`` (posted for ``owner``, a
+        ``(stream, window)``): never hand it out again."""
         with self._cv:
             c = self.slot(chunk)
-            self._owner.pop(c, None)
-            self._rows[c, 0] = 0
+            if not self._owns(c, owner):
+                return   # reclaimed since: the writer was done with it
+            del self._owner[c]
+            self._rows[c, TOKEN] = 0
             self.count -= 1
             self.retired += 1
         log.warning("a persist given up still holds a chunk of %d bytes in its writer: it is retired; the shared "
@@ -384,20 +403,23 @@ class ShardStream:
         still read the ones it took, so those are retired instead (never reused). Idempotent."""
         with self._cv:
             was, self._closed = self._closed, True
-            ready, reading = list(self._ready.values()), list(self._reading.values())
+            ready, reading = list(self._ready.items()), list(self._reading.values())
             self._ready.clear()
             self._reading.clear()
             self._cv.notify_all()
         if self.pool.shared:
             if not was:
                 self.pool.closed(self.token)
-            for c in ready:
+            # A chunk in ``ready`` may have been reclaimed (its writer marked it DONE) and
+            # posted for another stream's window since this list was taken: the pool checks
+            # that it still holds this stream's window before it frees or retires it.
+            for w, c in ready:
                 if hung and self.pool.keeps_hung_writers and self.pool.taken(c):
-                    self.pool.retire_shared(c)   # the writer lives on and may still read it
+                    self.pool.retire_shared(c, (self, w))   # the writer lives on and may still read it
                 else:   # a writer process given up is killed (ProcessBackend): every chunk comes back
-                    self.pool.release(c)
+                    self.pool.release(c, owner=(self, w))
             return
-        for c in ready:
+        for _, c in ready:
             self.pool.release(c)
         if hung and reading:
             log.warning("a persist given up still holds %d chunk(s) of %d bytes: they are retired, and the "
@@ -442,10 +464,9 @@ class RemoteStream:
         buf, rows, ring = self._attach()
         pause = 0.0002
         while True:
-            hit = np.nonzero((rows[:, 0] == self.token) & (rows[:, 1] == w) & (rows[:, 2] == READY))[0]
-            if len(hit):
-                c = int(hit[0])
-                rows[c, 2] = TAKEN
+            c = self._find(rows, w)
+            if c is not None:
+                rows[c, STATE] = TAKEN
                 self._taken[w] = c
                 a, b = self.window(w)
                 return memoryview(buf[c * self.chunk_bytes:c * self.chunk_bytes + (b - a)])
@@ -455,10 +476,21 @@ class RemoteStream:
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
 
+    def _find(self, rows, w: int) -> int | None:
+        """The slot holding window ``w`` READY, read under each row's sequence lock: one scan
+        of the table reads its columns at different moments, so its hits are only candidates
+        (a row being rewritten may show this stream's token beside another stream's window)."""
+        for c in np.nonzero(rows[:, TOKEN] == self.token)[0].tolist():
+            seq = int(rows[c, SEQ])
+            if (seq % 2 == 0 and int(rows[c, TOKEN]) == self.token and int(rows[c, WINDOW]) == w
+                    and int(rows[c, STATE]) == READY and int(rows[c, SEQ]) == seq):
+                return c
+        return None
+
     def written(self, w: int) -> None:
         c = self._taken.pop(w, None)
         if c is not None:
-            self._attach()[1][c, 2] = DONE
+            self._attach()[1][c, STATE] = DONE
 
     def release_taken(self) -> None:
         for w in list(self._taken):

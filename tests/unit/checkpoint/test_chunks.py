@@ -158,3 +158,76 @@ def test_a_shared_pool_hands_each_chunk_back_once_through_its_mailbox(tmp_path):
         remote.get(4)                                     # the writer learns the stream closed
     pool.close()
     assert not list(tmp_path.iterdir())                   # the pool's files are gone
+
+
+def test_closing_a_stream_never_frees_a_chunk_the_pool_reclaimed_and_posted_for_another_stream(tmp_path):
+    """The race behind a deadlocked ``buffers=2`` run with a writer process (one CI run in
+    several): a stream's ``close`` lists its chunks, the copy thread meanwhile reclaims one the
+    writer marked DONE and posts the *next* snapshot's window in it, and the close then freed
+    that chunk a second time -- the copy overwrote the unread window, and its writer waited
+    for it for ever. Here the copy's reclaim is run at the first release of the close."""
+    class Racing(chunks.ChunkPool):
+        hook = None
+
+        def release(self, chunk, **kw):
+            hook, self.hook = self.hook, None
+            if hook is not None:
+                hook()
+            super().release(chunk, **kw)
+
+    pool = Racing(chunks.minimum_budget(), shared=True, shm_dir=str(tmp_path))
+    a, b = chunks.ShardStream(pool.count * ALIGN, pool), chunks.ShardStream(ALIGN, pool)
+    ra, rb = a.handle(), b.handle()
+    for w in range(pool.count):
+        c = pool.acquire()
+        c.fill_(w + 1)
+        a.put(w, c)
+    for w in (0, 1):   # the writer wrote two windows and ended (the persist is done)
+        ra.get(w)
+        ra.written(w)
+    posted = []
+
+    def next_snapshot_copies():   # the copy thread of the next snapshot, inside a's close
+        c = pool.acquire()        # no chunk free: reclaims the two DONE ones
+        c.fill_(0xB)
+        b.put(0, c)
+        posted.append(c)
+    pool.hook = next_snapshot_copies
+    a.close()
+    assert posted, "the copy's reclaim did not run inside the close"
+    deadline = time.monotonic() + 10
+
+    def lost():
+        if time.monotonic() > deadline:
+            raise AssertionError("the next snapshot's window 0 never became readable: it was freed and lost")
+    assert bytes(rb.get(0, lost))[:2] == b"\x0b\x0b"
+    rest = [pool.acquire() for _ in range(pool.count - 1)]
+    assert posted[0].data_ptr() not in {c.data_ptr() for c in rest}, "a posted chunk was handed out again"
+    with pytest.raises(chunks.Cancelled):
+        pool.acquire(cancelled=lambda: True)   # every chunk is held exactly once
+    pool.close()
+
+
+def test_a_writer_process_never_takes_a_window_from_a_mailbox_row_being_rewritten(tmp_path):
+    """The other race behind the deadlocked ``buffers=2`` writer-process runs: a writer read a
+    row's token, window and state in three passes while the pool rewrote it for another
+    stream, saw its own token beside the other stream's window number, took that chunk as its
+    own window (wrong bytes), and the other stream's writer waited for it for ever. Here the
+    pool is stopped half way through a post (sequence lock odd, token new, window old)."""
+    pool = chunks.ChunkPool(chunks.minimum_budget(), shared=True, shm_dir=str(tmp_path))
+    a, b = chunks.ShardStream(4 * ALIGN, pool), chunks.ShardStream(4 * ALIGN, pool)
+    ra = a.handle()
+    c = pool.acquire()
+    c.fill_(0xB)
+    b.put(2, c)                       # stream b's window 2, READY
+    slot = pool.slot(c)
+    row = pool._rows[slot]
+    row[chunks.SEQ] += 1              # the pool begins to rewrite the row for a's window 3 ...
+    row[chunks.TOKEN] = a.token       # ... and has written the token, not yet the window
+    assert ra._find(pool._rows, 2) is None, "a's writer took b's window 2 as its own window 2"
+    row[chunks.WINDOW] = 3
+    row[chunks.STATE] = chunks.READY
+    row[chunks.SEQ] += 1              # the post is complete
+    assert ra._find(pool._rows, 2) is None
+    assert ra._find(pool._rows, 3) == slot
+    pool.close()
