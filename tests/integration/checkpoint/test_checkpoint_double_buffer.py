@@ -229,14 +229,14 @@ def test_two_buffer_sets_with_the_writer_process_commit_in_order_and_restore_bit
     instead of timing anything).
     The point: the persist the killed writer was running fails (one error, re-raised once by
     ``close``), unless the kill came right after its publish (then it is reported committed,
-    no error: ``ProcessBackend`` checks the gate and the manifest), the one queued
+    no error: ``ProcessBackend`` checks the gate and the manifest, and the newer one, which the
+    writer may have taken by then, is the one that fails), the one queued
     behind it goes to a new writer process and commits, and so do the later ones; every other
     step commits once, in step order (each step's manifest is
     written after the previous step's), and each committed step loads bit-exact the model and
     Adam state of that very step (a snapshot copied into a set the writer process still read
     would show another step's values); the two sets are two distinct /dev/shm files, and
     closing removes them."""
-    import glob
     import os
     import signal
     from concurrent.futures.process import BrokenProcessPool
@@ -255,6 +255,8 @@ def test_two_buffer_sets_with_the_writer_process_commit_in_order_and_restore_bit
         return real_submit(job)
 
     ckpt._pipeline.submit = submit
+    gates = ckpt.backend._gates.path
+    assert gates.startswith("/dev/shm/cfdist-gates-") and os.path.isdir(gates), gates
     want, g, step, killed = {}, torch.Generator().manual_seed(1), 0, None
 
     def train(kill: bool = False) -> bool:
@@ -265,12 +267,20 @@ def test_two_buffer_sets_with_the_writer_process_commit_in_order_and_restore_bit
             (pid,) = ckpt.backend.writer_pids()
             os.kill(pid, signal.SIGKILL)     # it writes the older one; the newer one waits its turn
             killed = [p.step for p, _ in ckpt._inflight if not p.done()]
+        # The state of the last step, copied *after* the look at the persists in flight (the
+        # forward changes none of it): a deepcopy of 6 MB between the step and the look gave
+        # the writer the time to finish the older persist, and on an idle machine two were
+        # then never seen in flight.
+        remember()
         loss.backward()
         ckpt.step(opt)
         opt.zero_grad()
         step += 1
-        want[step] = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()["state"]})
         return both
+
+    def remember():
+        if step:
+            want[step] = copy.deepcopy({"model": model.state_dict(), "optim": opt.state_dict()["state"]})
 
     try:
         while not train() and step < 40:
@@ -281,6 +291,7 @@ def test_two_buffer_sets_with_the_writer_process_commit_in_order_and_restore_bit
         assert killed is not None and len(killed) == 2, killed
         for _ in range(3):
             train()
+        remember()
         raised = None
         try:
             ckpt.close()
@@ -289,17 +300,23 @@ def test_two_buffer_sets_with_the_writer_process_commit_in_order_and_restore_bit
     finally:
         ckpt.close()
     committed = committed_steps(open_storage(url))
-    # the killed writer may have published its step right before the kill: then that step is
-    # reported committed (no error); otherwise it failed, once. Every other step committed.
-    after_commit = killed[0] in committed
+    # The writer was killed while one of the two persists in flight was its job. It may have
+    # published the older step right before the kill (reported committed, no error) and then
+    # taken the newer one, which then fails; or it was still writing the older one, which fails
+    # while the newer goes to a new writer. Either way at most one step failed, once, and it is
+    # one of the two in flight; every other step committed.
+    failed = [i for i in killed if i not in committed]
     s = ckpt.stats
-    assert (raised is None) == after_commit, (raised, killed, committed)
-    assert s["errors"] == (0 if after_commit else 1), s
-    assert s["checkpoints"] == step - (0 if after_commit else 1) and s["latest_step"] == step, s
+    assert len(failed) <= 1, (killed, committed)
+    assert (raised is None) == (not failed), (raised, killed, committed)
+    assert s["errors"] == len(failed), s
+    assert s["checkpoints"] == step - len(failed) and s["latest_step"] == step, s
     assert len(paths) == 2 and all(p.startswith("/dev/shm/") for p in paths), paths
     assert not [p for p in paths if os.path.exists(p)], "close() leaves no arena behind"
-    assert not glob.glob(f"/dev/shm/cfdist-gates-{os.getpid()}-*")
-    assert [i for i in committed if i != killed[0]] == [i for i in range(1, step + 1) if i != killed[0]], committed
+    # this checkpointer's gate folder (an earlier test of this process that failed before its
+    # close may have left its own: the glob of every folder of this pid blamed this test for it)
+    assert not os.path.exists(gates), f"close() left the commit gates' folder {gates}"
+    assert committed == [i for i in range(1, step + 1) if i not in failed], committed
     written = [os.stat(tmp_path / "ckpt" / f"step-{i:09d}" / "MANIFEST.json").st_mtime_ns for i in committed]
     assert written == sorted(written), "a later step's manifest was written before an earlier one's"
     for i in committed:
