@@ -62,7 +62,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 PHASES: tuple[str, ...] = ("detect", "wait", "restart", "restore", "catchup")
@@ -245,12 +245,13 @@ def read_event_log(path: str) -> list[dict]:
         return parse_event_log(f, source=path)
 
 
-def commit_spans(records: Iterable[dict]) -> list[tuple[float, float]]:
+def commit_spans(records: Iterable[dict], tiers: Collection[str] | None = None) -> list[tuple[float, float]]:
     """``(t of the step record, t of its first checkpoint_committed)`` per commit, in log order.
 
     A step executed again after a restore counts again (measured from its new ``step`` record).
     Commits of steps without a ``step`` record (e.g. before the log started) are skipped, and so
     are a survivor's live saves after a failure (``live``: not a checkpoint the policy took).
+    ``tiers``: only commits to these tiers count (None: any tier).
     """
     step_t: dict[int, float] = {}
     done: set[tuple[int, float]] = set()
@@ -258,7 +259,8 @@ def commit_spans(records: Iterable[dict]) -> list[tuple[float, float]]:
     for r in records:
         if r.get("event") == "step":
             step_t[r["step"]] = r["t"]
-        elif r.get("event") == "checkpoint_committed" and r.get("step") in step_t and not r.get("live"):
+        elif r.get("event") == "checkpoint_committed" and r.get("step") in step_t and not r.get("live") \
+                and (tiers is None or r.get("tier") in tiers):
             key = (r["step"], step_t[r["step"]])
             if key not in done:
                 done.add(key)
@@ -266,10 +268,10 @@ def commit_spans(records: Iterable[dict]) -> list[tuple[float, float]]:
     return out
 
 
-def commit_latencies(records: Iterable[dict]) -> list[float]:
-    """Seconds from each step's ``step`` record to its first ``checkpoint_committed``, in log
-    order (see :func:`commit_spans`)."""
-    return [c - s for s, c in commit_spans(records)]
+def commit_latencies(records: Iterable[dict], tiers: Collection[str] | None = None) -> list[float]:
+    """Seconds from each step's ``step`` record to its first ``checkpoint_committed`` (on one
+    of ``tiers``; None: any), in log order (see :func:`commit_spans`)."""
+    return [c - s for s, c in commit_spans(records, tiers)]
 
 
 RESTART_PHASES: tuple[str, ...] = ("detect", "restart", "rendezvous", "restore", "first_step")

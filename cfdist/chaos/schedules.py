@@ -7,9 +7,10 @@ All three are renewal processes at the level of the whole job: the gaps between 
 Each arrival hits one target, picked uniformly from a separate seeded stream:
 
 - ``kind="crash"``: a rank on a node that is up; the node stays up.
-- ``kind="preempt"``: a node that is up; it comes back ``return_after_s`` later (a ``"return"``
-  event), or never when ``return_after_s`` is None. An arrival while every node is down is
-  dropped (there is nothing to take).
+- ``kind="preempt"``: a node that is up (``pool=True``: every node that is up, at the same
+  instant, as when a whole spot pool is reclaimed); it comes back ``return_after_s`` later (a
+  ``"return"`` event), or never when ``return_after_s`` is None. An arrival while every node is
+  down is dropped (there is nothing to take).
 
 Example::
 
@@ -59,9 +60,15 @@ class _Arrivals(abc.ABC):
     """Seconds from a preemption until the replacement node is up (preempt only); None: never."""
     ranks_per_node: int = 1
     """Ranks per node, to name the crashing rank (crash only)."""
+    pool: bool = False
+    """Each preemption takes every node that is up at once (a whole spot pool reclaimed, one
+    notice for all of them); preempt only."""
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
+        if self.pool and self.kind != "preempt":
+            raise ValueError(f"{owner}: pool=True takes every node at once, which is a preemption; "
+                             f"use kind='preempt' (got {self.kind!r})")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"{owner}.seed must be an int, got {self.seed!r}")
         if self.kind not in ("crash", "preempt"):
@@ -100,12 +107,12 @@ class _Arrivals(abc.ABC):
                 node, rank = pick_rank(targets, up, self.ranks_per_node)
                 out.append(FailureEvent(time_s=t, kind="crash", node=node, rank=rank))
                 continue
-            node = pick_node(targets, up)
-            out.append(FailureEvent(time_s=t, kind="preempt", node=node, notice_s=self.notice_s))
-            back = math.inf if self.return_after_s is None else t + self.return_after_s
-            back_at[node] = back
-            if back < horizon_s:
-                out.append(FailureEvent(time_s=back, kind="return", node=node))
+            for node in (up if self.pool else [pick_node(targets, up)]):
+                out.append(FailureEvent(time_s=t, kind="preempt", node=node, notice_s=self.notice_s))
+                back = math.inf if self.return_after_s is None else t + self.return_after_s
+                back_at[node] = back
+                if back < horizon_s:
+                    out.append(FailureEvent(time_s=back, kind="return", node=node))
         return sort_events(out)
 
 

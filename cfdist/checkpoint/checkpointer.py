@@ -237,9 +237,9 @@ class Checkpointer:
         self._fetch_hooked = False   # a data iterator calls _on_boundary before each fetch
         for k, obj in state.items():
             if isinstance(obj, torch.nn.Module):
-                self._hooks.append(obj.register_forward_pre_hook(self._on_boundary))
+                self._hooks.append(obj.register_forward_pre_hook(self._boundary_hook))
             elif hasattr(obj, "register_before_next_hook"):
-                self._hooks.append(obj.register_before_next_hook(self._on_boundary))
+                self._hooks.append(obj.register_before_next_hook(self._boundary_hook))
                 self._fetch_hooked = True
         self._copies_reported = 0
         self._live = LiveState(state, self._kinds) if grp.live and self.writer else None
@@ -413,6 +413,8 @@ class Checkpointer:
             raise ValueError("ckpt.step(scaler=...) needs the optimizer the scaler steps: ckpt.step(opt, scaler=scaler)")
         t_enter = time.perf_counter()
         self._on_boundary()
+        if not self._hooks:   # no hooked fetch or forward saw the boundary: this is it
+            self._halt_point()
         self._harvest()
         stall, self._gate_stall = self._snap.wait_copied() + self._gate_stall, 0.0
         t0 = time.perf_counter()
@@ -480,6 +482,7 @@ class Checkpointer:
         For loops that fetch or run forward where the checkpointer cannot see it (framework
         callbacks); call after the scheduler step, before the next batch is fetched."""
         self._on_boundary()
+        self._halt_point()
 
     _agreed_k = 0
 
@@ -513,7 +516,7 @@ class Checkpointer:
             h.wait()
         return h
 
-    def save_live(self, timeout_s: float = 30.0) -> int | None:
+    def save_live(self, timeout_s: float = 30.0, durable: bool = False) -> int | None:
         """After the group failed (a peer died: a collective raised), write the live state of
         the last completed step, without any collective or the store; returns that step, or
         None when nothing was written (the reason is logged).
@@ -524,8 +527,9 @@ class Checkpointer:
         updated: ``ckpt.step``'s ``optimizer.step()`` raised). The checkpoint holds this rank's
         RNG states; the other ranks resume with derived ones (:mod:`cfdist.checkpoint.live`).
         A persist of this Checkpointer still in flight is given up to ``timeout_s`` to commit
-        first. Raises what the write raised (its own timeout included). Training thread, after
-        the loop was left."""
+        first. ``durable``: to every tier of the backend (a node actor's local disk too), not
+        only its fastest. Raises what the write raised (its own timeout included). Training
+        thread, after the loop was left."""
         if self._live is None:
             if not self.writer:
                 log.info("rank %d writes no checkpoints: no live state to save", self.rank)
@@ -535,7 +539,7 @@ class Checkpointer:
         self._settle_inflight(time.monotonic() + min(timeout_s, _LIVE_SETTLE_S))
         if self._latest is not None and self._live.floor < self._latest:
             self._live.floor = self._latest
-        step, why = self._live.save(self, timeout_s=timeout_s)
+        step, why = self._live.save(self, timeout_s=timeout_s, durable=durable)
         if step is None:
             log.info("rank %d: no live state written (%s)", self.rank, why)
         return step
@@ -693,6 +697,17 @@ class Checkpointer:
             with self._lock:
                 busy = [s for p, s in self._inflight if not p.done()]
         return min(set(range(b)) - set(busy))
+
+    def _boundary_hook(self, *args, **kwargs) -> None:
+        """The modules' forward pre-hook and the data iterators' before-next hook: the
+        boundary, then :meth:`_halt_point`."""
+        self._on_boundary()
+        self._halt_point()
+
+    def _halt_point(self) -> None:
+        """Between two iterations, right after the boundary (the next hooked fetch or forward,
+        or ``step`` when nothing is hooked): where a subclass may stop training by raising
+        (``cfdist.fit`` does for a preemption notice that names every node). A no-op here."""
 
     def _on_boundary(self, *args, **kwargs) -> None:
         """The instant between iterations: capture schedulers, plain values and RNG."""

@@ -106,9 +106,10 @@ class LiveState:
             out[k] = {n: live[n].detach().clone() for n in names if n in live}
         return out
 
-    def save(self, ckpt, *, timeout_s: float) -> tuple[int | None, str]:
+    def save(self, ckpt, *, timeout_s: float, durable: bool = False) -> tuple[int | None, str]:
         """Write step :attr:`step` from the live objects through ``ckpt``'s backend (no store,
-        no collective); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
+        no collective; ``durable``: to all its tiers, else a backend with ``submit_live`` writes
+        its fastest only); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
         why)``: the step written, or None and the reason nothing was."""
         if not ckpt.writer:
             return None, "this rank does not write checkpoints"
@@ -146,8 +147,8 @@ class LiveState:
             shards = shard_jobs(list(enumerate(layout)), host, count=len(layout), roots=len(ckpt.storages))
             job = PersistJob(step=self.step, manifest=manifest, shards=shards, keep=ckpt.config.keep,
                              arenas=[a.buf for a in host], io=ckpt.config.persist.io)
-            submit = getattr(ckpt.backend, "submit_live", ckpt.backend.submit)
-            info = submit(job).wait(timeout_s)
+            live = getattr(ckpt.backend, "submit_live", None)
+            info = (live(job, durable=durable) if live is not None else ckpt.backend.submit(job)).wait(timeout_s)
         finally:
             snap.close()
         self.floor = info.step

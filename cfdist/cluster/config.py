@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from dataclasses import asdict, dataclass, fields
 
 from cfdist.checkpoint.options import route_settings

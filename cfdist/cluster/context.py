@@ -63,6 +63,7 @@ class TrainContext:
         self._lock = threading.Lock()
         self._records: collections.deque = collections.deque()
         self._preempted = threading.Event()
+        self._halt = threading.Event()
         self._save_requested = False
         self._step = 0
         self._errors_reported = 0
@@ -200,12 +201,17 @@ class TrainContext:
                                   "setup_s": round(time.time() - seconds - self._t_start, 6)})
 
     # ---- driver side (another thread of the worker actor) ------------------------------------------
-    def _notify(self, *, preempted: bool, save: bool) -> None:
+    def _notify(self, *, preempted: bool, save: bool, halt: bool = False) -> None:
         """A preemption notice: set ``preempted`` (this node goes away); with ``save``,
         checkpoint soon, at a step every rank agrees on (``Checkpointer.request_save``: every
-        node's writer then persists it, so a surviving copy covers)."""
+        node's writer then persists it, so a surviving copy covers); with ``halt`` (the notices
+        name every node of the group: no replica will survive), stop at the next iteration
+        boundary (:class:`PreemptionHalt`), so that the step completed then is the state the
+        node writers save (:meth:`cfdist.Checkpointer.save_live`) and the driver makes durable."""
         if preempted:
             self._preempted.set()
+        if halt:
+            self._halt.set()
         if save:
             with self._lock:
                 self._save_requested = True
@@ -232,12 +238,35 @@ class TrainContext:
         return out
 
 
+class PreemptionHalt(Exception):
+    """Raised under ``cfdist.fit`` on every rank at its next iteration boundary (the next fetch
+    from a hooked data iterator or forward of a hooked module; ``ckpt.step`` when nothing is hooked)
+    once a preemption notice named every node of the group (a whole spot pool reclaimed): the
+    node writers save the last completed step from their live state, to disk, and the driver
+    makes it durable before the kill. The training function need not catch it (the worker does).
+
+    Why at the boundary, after an update, not before one: the ranks learn of the halt at
+    slightly different times. A rank halted at the boundary of step ``n`` holds step ``n``; no
+    rank can complete step ``n + 1`` without it (the all-reduce needs every rank), so ``n`` is
+    the newest step of the group, whichever rank's copy commits. (A rank that halted *before*
+    an update would hold ``n - 1`` while a peer that had not heard yet applied ``n``.) A peer
+    that has not halted by then waits in its next collective until the node is taken."""
+
+
 class _FitCheckpointer(Checkpointer):
     """A Checkpointer that tells its TrainContext about steps, restores and save requests."""
 
     def __init__(self, ctx: TrainContext, *args, **kwargs):
         self._ctx = ctx
         super().__init__(*args, **kwargs)
+
+    def _halt_point(self) -> None:
+        # At the boundary after an update: every rank's state is that step then, or the next
+        # collective of a rank not halted yet waits for this one for ever (see PreemptionHalt).
+        if self._ctx._halt.is_set():
+            raise PreemptionHalt(f"rank {self._ctx.rank} halted after step {self.step_count}: a preemption notice "
+                                 f"named every node of the group; that last completed step is saved and made "
+                                 f"durable before the kill")
 
     def step(self, optimizer=None, closure=None):
         out = super().step(optimizer, closure)

@@ -68,6 +68,8 @@ class Controller:
         self._final_url: str | None = None
         self._progress_at: float | None = None   # when the attempt last completed a step (None: none yet)
         self._hang: dict | None = None           # the ranks stopped as hung, until the failure they cause
+        self._noticed: dict[str, float] = {}     # node id -> the kill a preemption notice announced
+        self._pool: dict | None = None           # a notice named every node of the group (see on_notice)
         self._t0 = clock()
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -105,6 +107,8 @@ class Controller:
     # ---- RECOVERING ---------------------------------------------------------------------------
     def _recover(self, st: RecoveringState) -> ControllerState:
         """Choose the nodes and the checkpoint, stage it, start the group (or wait / give up)."""
+        if self._pool is not None and not self._pool_gone(st):
+            return st
         nodes = self.backend.usable_nodes()
         size = self.scaling.size_for(len(nodes))
         if size.num_nodes is None:
@@ -193,10 +197,17 @@ class Controller:
 
     # ---- RUNNING ------------------------------------------------------------------------------
     def _run(self, st: RunningState) -> ControllerState:
-        status = st.group.poll(self.config.poll_s)
+        wait = self.config.poll_s
+        if self._pool is not None and self._pool["halted_at"] is None:   # not past a pool notice's halt
+            wait = min(wait, max(0.0, self._pool["halt_at"] - self.clock()))
+        status = st.group.poll(wait)
         resize = self._absorb(st, status.records, self.backend.drain_commits())
-        for notice in getattr(self.backend, "drain_notices", list)():
-            self._on_notice(st, notice)
+        for n in getattr(self.backend, "drain_notices", list)():
+            node = st.group.node_rank_of(n.get("node_id")) if hasattr(st.group, "node_rank_of") else None
+            self.on_notice([] if node is None else [node], n["deadline"] - self.clock(), source=n.get("source"),
+                           detail=n.get("detail", ""))
+        if self._pool is not None and self._pool["halted_at"] is None and self.clock() >= self._pool["halt_at"]:
+            self._halt(st)
         if status.errors:
             return self._on_failure(st, status)
         if status.finished:
@@ -310,19 +321,106 @@ class Controller:
         self._recovery = {"resume": True, "failed_at": self.clock(), "detected_at": self.clock()}
         return RecoveringState(resize=True)
 
-    def _on_notice(self, st: RunningState, n: dict) -> None:
-        """A cloud preemption notice from a node actor: ``ctx.preempted`` on that node's ranks,
-        and an emergency checkpoint on every node if it can commit before the deadline."""
-        from cfdist.chaos.metrics import commit_latencies
+    # ---- preemption notices ---------------------------------------------------------------------
+    def on_notice(self, nodes: list[int], window_s: float, *, source: str | None, **detail) -> bool:
+        """Preemption notices for node slots ``nodes`` of the running group: the cloud takes them
+        ``window_s`` from now. Called on the controller's thread, for the node actors' cloud
+        notices and by the failure injector (``source="injected"``); returns whether they
+        complete a *pool notice*.
+
+        Their ranks see ``ctx.preempted``. When the nodes noticed so far are every node of the
+        group (a whole spot pool reclaimed), no replica will survive the kill: the group trains
+        on until :func:`~cfdist.cluster.decisions.pool_halt` says, then halts (every rank stops
+        at its next iteration boundary, the node writers save that step from their live state,
+        to disk), and the failure that follows makes the newest step durable on every node
+        before the first kill (``notice_commit`` in the event log) and waits for the kill before
+        recovering. Otherwise (some node survives, or live recovery is off) every node's
+        writer checkpoints at a step the ranks agree on, when that can commit before the kill
+        (:func:`~cfdist.cluster.injector.emergency_checkpoint_fits`)."""
+        from cfdist.chaos.metrics import commit_latencies, estimate_iter_s
+        from cfdist.cluster.decisions import pool_halt
         from cfdist.cluster.injector import emergency_checkpoint_fits
 
-        node = st.group.node_rank_of(n.get("node_id")) if hasattr(st.group, "node_rank_of") else None
-        window = n["deadline"] - self.clock()
-        save, reason = emergency_checkpoint_fits(window, commit_latencies(list(self.events.records)))
-        self.events.emit("notice", node=node, source=n.get("source"), window_s=round(window, 3), save=save,
-                         reason=reason, detail=n.get("detail", ""))
-        if node is not None:
-            st.group.notify([node], save=save)
+        st, now = self.state, self.clock()
+        group = st.group if isinstance(st, RunningState) else None
+        ids = [group.nodes[n].node_id for n in nodes if group is not None and n < len(group.nodes)]
+        for nid in ids:
+            self._noticed[nid] = now + window_s
+        records = list(self.events.records)
+        pool = (group is not None and bool(ids) and self.config.live_recovery
+                and all(self._noticed.get(n.node_id, 0.0) > now for n in group.nodes))
+        if pool and self._pool is None:
+            durable = commit_latencies(records, tiers=("local", "shared")) or commit_latencies(records)
+            try:
+                step_s = estimate_iter_s(records[-200:])
+            except ValueError:
+                step_s = None
+            deadline = min(self._noticed[n.node_id] for n in group.nodes)   # the first node taken
+            plan = pool_halt(deadline - now, durable, step_s, slack_s=self.config.poll_s)
+            self._pool = {"deadline": deadline, "halt_at": now + plan.halt_in_s, "halted_at": None,
+                          "node_ids": [n.node_id for n in group.nodes], "cloud": source != "injected",
+                          "noticed_at": now}
+            save, reason = False, plan.reason
+            self.decide("pool_notice", f"the preemption notices name every node of the group: {plan.reason}",
+                        step=self.step_now, window_s=round(deadline - now, 3), halt_in_s=round(plan.halt_in_s, 3))
+        elif pool:   # a late duplicate of a pool notice already in hand
+            save, reason = False, "part of the pool notice already in hand"
+        else:
+            save, reason = emergency_checkpoint_fits(window_s, commit_latencies(records))
+        for n in nodes or [None]:
+            self.events.emit("notice", node=n, source=source, window_s=round(window_s, 3), save=save,
+                             reason=reason, pool=pool, **detail)
+        if group is not None and nodes:
+            group.notify(list(nodes), save=save)
+            if self._pool is not None and self._pool["halted_at"] is None and now >= self._pool["halt_at"]:
+                self._halt(st)
+        return pool
+
+    def _halt(self, st: RunningState) -> None:
+        """The pool notice's halt: every rank stops at its next iteration boundary (the ranks
+        then fail with ``PreemptionHalt``, and ``_on_failure`` makes the newest step durable)."""
+        self._pool["halted_at"] = self.clock()
+        self.events.emit("halt", step=self.step_now, deadline_in_s=round(self._pool["deadline"] - self.clock(), 3),
+                         reason="every node of the group will be taken: saving the last completed step")
+        st.group.halt()
+
+    def _commit_noticed(self, group) -> None:
+        """After the group of a pool notice stopped (halted, or failed meanwhile): every node's
+        newest step into its durable tiers before the kill; logged as ``notice_commit``."""
+        pool = self._pool
+        t0 = self.clock()
+        try:
+            got = self.backend.commit_durable(group.nodes, pool["deadline"])
+        except Exception as e:  # noqa: BLE001 - reported; recovery goes on from what is committed
+            log.warning("making the newest step durable before the preemption failed: %s", e)
+            got = None
+        fields = {"last_step": self.step_now, "seconds": round(self.clock() - t0, 6),
+                  "since_notice_s": round(self.clock() - pool["noticed_at"], 6)}
+        if got is None:
+            self.events.emit("notice_commit", committed=False, step=None, tier=None, **fields,
+                             reason="no node holds a step on a durable tier (local disk or shared storage)")
+            return
+        margin = pool["deadline"] - got["t"]
+        self.events.emit("notice_commit", committed=margin >= 0, step=got["step"], tier=got["tier"],
+                         margin_s=round(margin, 6), **fields)
+
+    def _pool_gone(self, st: RecoveringState) -> bool:
+        """Recovery after a pool notice waits for the kill (a group started before it would be
+        killed with the nodes); True once the deadline passed (cloud nodes are then excluded:
+        their replacements join as new nodes)."""
+        pool = self._pool
+        if self.clock() < pool["deadline"]:
+            if not pool.get("waiting"):
+                pool["waiting"] = True
+                self.decide("wait_for_preemption", f"every node of the group is taken in "
+                            f"{pool['deadline'] - self.clock():.2f}s: recovering after that", step=self.step_now)
+            self.sleep(min(self.config.poll_s, max(0.0, pool["deadline"] - self.clock())))
+            return False
+        if pool["cloud"]:
+            self.backend.exclude(pool["node_ids"])
+        self._pool = None
+        self._noticed.clear()
+        return True
 
     def _check_capacity(self, st: RunningState) -> None:
         if len(st.group.nodes) >= self.config.num_nodes or self._grow_to is not None:
@@ -353,9 +451,11 @@ class Controller:
         lost = [n for n in group.nodes if n.node_id in lost_ids]
         died = [e for e in status.errors if e.actor_died]
         first = (died or status.errors)[0]
-        kind = "preempt" if lost else ("crash" if died else "error")
+        halted = self._pool is not None and self._pool["halted_at"] is not None
+        kind = "preempt" if lost or (halted and not died) else ("crash" if died else "error")
         hang, self._hang = self._hang, None
-        claimed = self.injector.claim(kind=kind) if self.injector is not None and hang is None else None
+        claimed = (self.injector.claim(kind=kind) if self.injector is not None and hang is None
+                   and not (halted and not died) else None)
         try:
             step_at = max(self.step_now, group.current_step() or 0)
         except Exception:  # noqa: BLE001 - survivors may be going down too
@@ -365,12 +465,14 @@ class Controller:
         failure = Failure(kind=kind, step=step_at, rank=None if lost else first.rank, node=node,
                           node_id=lost[0].node_id if lost else first.node_id,
                           message=first.message[:500],
-                          failed_at=claimed["t"] if claimed else (hang["since"] if hang else detected),
+                          failed_at=claimed["t"] if claimed else (hang["since"] if hang else
+                                                                  self._pool["halted_at"] if halted and not died
+                                                                  else detected),
                           detected_at=detected)
         if claimed is None:   # a hang failed when progress stopped: its detection took the timeout
+            cause = "hang" if hang else "notice" if halted and not died else kind
             self.events.emit("failure", t=detected, kind="crash" if kind == "error" else kind, step=step_at,
-                             rank=failure.rank, node=node, cause="hang" if hang else kind,
-                             message=failure.message[:200],
+                             rank=failure.rank, node=node, cause=cause, message=failure.message[:200],
                              **({"stalled_since": round(hang["since"], 6)} if hang else {}))
         # "detected" is when the poll saw the errors; classifying (probing the nodes) is recovery work
         self.events.emit("detected", t=detected, kind=kind, ranks_failed=len(status.errors),
@@ -382,6 +484,8 @@ class Controller:
         else:
             group.shutdown()
         self._dead_pids = group.pids()
+        if self._pool is not None:
+            self._commit_noticed(group)
         return self._tolerate(failure, st)
 
     def _tolerate(self, failure: Failure, st) -> ControllerState:

@@ -6,6 +6,8 @@ the controller can log it verbatim and tests can drive it with tables.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 TIERS = ("memory", "local", "peer", "shared")
@@ -160,3 +162,37 @@ def choose_restore(holdings: list[Holding], group: list[str], *, peer_copy: bool
         else:
             return RestoreChoice(step, sources, f"newest step every node can obtain: {step}; {inputs}")
     return RestoreChoice(None, {}, f"no committed checkpoint reachable: start from scratch; {inputs}")
+
+
+@dataclass(frozen=True)
+class HaltDecision:
+    """When a group that a notice named in full halts (:func:`pool_halt`)."""
+
+    halt_in_s: float
+    """Seconds from the notice until the group halts (0: at once)."""
+    reason: str
+
+
+def pool_halt(window_s: float, latencies_s: Sequence[float], step_s: float | None, *,
+              slack_s: float = 0.0) -> HaltDecision:
+    """When to halt a group whose every node a preemption notice named (a whole spot pool
+    reclaimed: no replica survives the kill, ``window_s`` from now). Pure.
+
+    The group trains on while it can, and halts ``margin`` before the kill so that its last
+    completed step reaches a durable tier in time: margin = 2 x the recent durable commit
+    latency (``latencies_s``: step to commit on disk, median of the last five; a checkpoint in
+    flight at the halt, then the live save, each take about that) + one step (``step_s``: the
+    halt waits for the update in progress) + ``slack_s`` (the halt's own delivery: the
+    controller's poll). With no latency measured yet, or a window within the margin: at once.
+    """
+    recent = list(latencies_s)[-5:]
+    if not recent:
+        return HaltDecision(0.0, f"window {window_s:.2f}s, no durable commit latency measured yet: halt now")
+    est = statistics.median(recent)
+    margin = 2 * est + (step_s or 0.0) + slack_s
+    inputs = (f"commit latency ~{est:.3g}s (median of {len(recent)}), step {step_s or 0:.3g}s, "
+              f"slack {slack_s:.3g}s, margin {margin:.3g}s")
+    if window_s <= margin:
+        return HaltDecision(0.0, f"window {window_s:.2f}s <= {inputs}: halt now")
+    return HaltDecision(window_s - margin, f"window {window_s:.2f}s, {inputs}: train {window_s - margin:.2f}s more, "
+                                           f"then halt")

@@ -22,6 +22,12 @@ failures at different points of training on a loaded machine than on an idle one
 * ``return`` (node slot n): ``add_node(slot)`` when given (a fresh node joins), else the node
   drained for that slot becomes usable again. Only a slot that a preemption took down returns.
 
+Notices go to the controller (:meth:`Controller.on_notice`), which decides what the job does;
+the notices of one instant go together. When together with earlier ones they name every node of
+the group (a *pool notice*: no replica survives), the job halts and commits its last step, and
+those preemptions are taken at their time whatever the job is doing (``node_taken``; the
+controller logged the failure at the halt), like a cloud that does not wait.
+
 A crash or preemption that falls due while the job is recovering is held until the next group
 has trained a step (``injection_deferred``), and lands then; one more due while one is held is
 skipped (it would hit the same recovery), so failures never starve training. An injection never no-ops silently: a target missing from a smaller (elastic) group is
@@ -43,7 +49,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
-from cfdist.chaos.metrics import commit_latencies
 
 log = logging.getLogger("cfdist.injector")
 
@@ -72,6 +77,8 @@ class AtStep:
     """A failure injected once rank 0 reported step >= ``step`` (deterministic tests and demos).
 
     Same kinds and fields as :class:`cfdist.chaos.FailureEvent`, triggered by progress, not time.
+    A preemption with ``notice_s``: the notice once step ``step`` is reached, the kill
+    ``notice_s`` seconds later; noticed preemptions of the same step are one notice.
     """
 
     step: int
@@ -129,6 +136,8 @@ class FailureInjector:
         self._held = None                    # a failure due while recovering, for the next group
         self._skipped_preempts: set[int] = set()
         self._held_returns: list = []
+        self._pool_ids: dict[int, str] = {}  # event index -> node id, for preemptions of a pool notice
+        self._pool_down: set[int] = set()    # node slots such a preemption took (their return needs no group)
         self.executed: list[dict] = []
 
     # ---- called by the controller ----------------------------------------------------------------
@@ -145,11 +154,11 @@ class FailureInjector:
         now = self.clock() - self.t0
         if self.by_step:
             return self._tick_steps(controller)
-        for i in range(self._next, len(self.events)):
-            e = self.events[i]
-            if e.kind == "preempt" and e.notice_s > 0 and i not in self._notices and now >= e.time_s - e.notice_s:
-                self._notices.add(i)
-                self._notice(controller, e, window_s=e.time_s - now)
+        due = [i for i in range(self._next, len(self.events)) if self.events[i].kind == "preempt"
+               and self.events[i].notice_s > 0 and i not in self._notices and now >= self.events[i].time_s - self.events[i].notice_s]
+        if due:   # one call for the notices of one instant: together they may name every node
+            self._notices.update(due)
+            self._notice(controller, due, window_s=min(self.events[i].time_s for i in due) - now)
         if self._held is not None and running and controller.step_now > getattr(controller, "_attempt_base", -1):
             e, self._held = self._held, None   # the new group trained a step: the held failure lands
             self._run_event(controller, e)
@@ -159,6 +168,9 @@ class FailureInjector:
         while self._next < len(self.events) and self.events[self._next].time_s <= now:
             e = self.events[self._next]
             self._next += 1
+            if self._next - 1 in self._pool_ids:   # the cloud does not wait for the job: on time
+                self._take_noticed(controller, self._next - 1)
+                continue
             if e.kind in ("crash", "preempt") and (not running or self._held is not None):
                 # Due while recovering: held until the next group trained a step (it lands then);
                 # one more due meanwhile would hit the same recovery: skipped, with the reason.
@@ -195,17 +207,36 @@ class FailureInjector:
     def _tick_steps(self, controller) -> None:
         from cfdist.cluster.states import RunningState
 
-        # Step-triggered: only while running, at most one per tick (the next waits for the
-        # group that replaces the failed one to report progress again).
-        if not isinstance(controller.state, RunningState) or self._next >= len(self.events):
+        # Step-triggered: at most one per tick (the next waits for the group that replaces the
+        # failed one to report progress again), while running; except the preemptions of a pool
+        # notice (the cloud does not wait for the job) and the returns after them.
+        if self._next >= len(self.events):
             return
+        running = isinstance(controller.state, RunningState)
         e = self.events[self._next]
         if e.kind == "preempt" and e.notice_s > 0 and self._next not in self._notices:
-            self._notices.add(self._next)
-            self._notice(controller, e, window_s=e.notice_s)
-            self._notice_at = self.clock()
+            if not running or controller.step_now < e.step:
+                return
+            # The noticed preemptions of the same step are one notice (together they may name every node).
+            same = [j for j in range(self._next, len(self.events)) if self.events[j].step == e.step
+                    and self.events[j].kind == "preempt" and self.events[j].notice_s > 0]
+            self._notices.update(same)
+            self._notice_at = self.clock()   # before the controller's own clock reading: never a later kill
+            self._notice(controller, same, window_s=e.notice_s)
             return
-        if controller.step_now >= e.step and (e.notice_s <= 0 or self.clock() - self._notice_at >= e.notice_s):
+        if controller.step_now < e.step or (e.notice_s > 0 and self.clock() - self._notice_at < e.notice_s):
+            return
+        if self._next in self._pool_ids:
+            # every kill of the pool at once, and the returns due with them: the controller
+            # recovers in this same step, on as many nodes as a time schedule would give it
+            while self._next in self._pool_ids:
+                self._next += 1
+                self._take_noticed(controller, self._next - 1)
+            while self._next < len(self.events) and self.events[self._next].kind == "return" \
+                    and self.events[self._next].node in self._pool_down and controller.step_now >= self.events[self._next].step:
+                self._next += 1
+                self._execute(controller, self.events[self._next - 1])
+        elif running or (e.kind == "return" and e.node in self._pool_down):
             self._next += 1
             self._execute(controller, e)
 
@@ -219,17 +250,51 @@ class FailureInjector:
 
         return controller.state.group if isinstance(controller.state, RunningState) else None
 
-    def _notice(self, controller, e, *, window_s: float) -> None:
+    def _notice(self, controller, indices: list[int], *, window_s: float) -> None:
+        """The notices of the preemptions ``indices`` (one instant), handed to the controller
+        (:meth:`Controller.on_notice`). Those that make a pool notice are taken on time, even
+        while the job recovers: the node ids are kept for that."""
         group = self._group(controller)
-        save, reason = emergency_checkpoint_fits(window_s, commit_latencies(list(controller.events.records)))
-        controller.events.emit("notice", node=e.node, notice_s=e.notice_s, window_s=round(window_s, 3),
-                               save=save, reason=reason)
-        if group is not None and e.node < len(group.nodes):
-            group.notify([e.node], save=save)
+        slots = sorted({self.events[i].node for i in indices if group is not None and self.events[i].node < len(group.nodes)})
+        pool = controller.on_notice(slots, window_s, source="injected",
+                                    notice_s=max(self.events[i].notice_s for i in indices))
+        if pool:
+            for i in indices:
+                if self.events[i].node in slots:
+                    self._pool_ids[i] = group.nodes[self.events[i].node].node_id
 
-    def _execute(self, controller, e) -> None:
+    def _take_noticed(self, controller, i: int) -> None:
+        """The kill of a preemption whose notice made a pool notice: the job has halted and
+        logged the failure already (``notice_commit``), so this drains or removes the node,
+        whatever the job is doing, and logs ``node_taken``."""
+        e, node_id = self.events[i], self._pool_ids.pop(i)
+        self._down[e.node] = node_id
+        self._pool_down.add(e.node)
+        if self.remove_node is not None:
+            self.remove_node(node_id)
+        else:
+            self._drain(node_id, group=self._group(controller), slot=e.node)
+        controller.events.emit("node_taken", node=e.node, notice_s=e.notice_s)
+        self.executed.append({"t": self.clock(), "kind": e.kind, "node": e.node, "rank": None})
+
+    def _drain(self, node_id: str, *, group, slot: int) -> None:
+        """Take a node out of the cluster without removing it: its ranks (of ``group``, if it
+        still runs there) and its node actor are killed, it is excluded from scheduling."""
         import ray
 
+        self.backend.excluded.add(node_id)
+        if group is not None and slot < len(group.nodes) and group.nodes[slot].node_id == node_id:
+            w = group.world_size // len(group.nodes)
+            for r in range(slot * w, (slot + 1) * w):
+                ray.kill(group.actor_of(r), no_restart=True)
+        # Forget the node actor as well as killing it: the node is drained, not lost,
+        # and gets a fresh actor (empty memory tier) when it returns.
+        actor = self.backend.actors.pop(node_id, None)
+        self.backend.tiers.pop(node_id, None)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+
+    def _execute(self, controller, e) -> None:
         group = self._group(controller)
         if e.kind == "crash":
             if group is None:
@@ -260,17 +325,9 @@ class FailureInjector:
             if self.remove_node is not None:
                 self.remove_node(node.node_id)
             else:
-                self.backend.excluded.add(node.node_id)
-                w = group.world_size // len(nodes)
-                for r in range(slot * w, (slot + 1) * w):
-                    ray.kill(group.actor_of(r), no_restart=True)
-                # Forget the node actor as well as killing it: the node is drained, not lost,
-                # and gets a fresh actor (empty memory tier) when it returns.
-                actor = self.backend.actors.pop(node.node_id, None)
-                self.backend.tiers.pop(node.node_id, None)
-                if actor is not None:
-                    ray.kill(actor, no_restart=True)
+                self._drain(node.node_id, group=group, slot=slot)
         elif e.kind == "return":
+            self._pool_down.discard(e.node)
             node_id = self._down.pop(e.node, None)
             if node_id is None:
                 controller.events.emit("injection_skipped", kind="return", node=e.node,

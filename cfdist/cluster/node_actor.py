@@ -183,6 +183,7 @@ class NodeCheckpointer:
         self._whole_only = False   # a sliced upload failed this attempt: upload whole
         self._flushers = 0
         self._commits = 0
+        self._durable_at: dict[int, float] = {}   # step -> when it committed on the local tier (recent)
         self._mem_dir = None
         self.mem = self.local = self.shared = None
         self._shared_want: int | None = None
@@ -299,6 +300,8 @@ class NodeCheckpointer:
                         self.mem, job.step, [(s.root, shard_name(s.index, s.count)) for s in job.shards]))
                 info = write_checkpoint(sts, jb)
                 infos.append(info)
+                if tier == "local":
+                    self._durable(job.step)
                 self._event("checkpoint_committed", step=job.step, tier=tier, bytes=info.bytes,
                             persist_s=round(info.seconds, 6), **({"live": True} if job.manifest.get("live") else {}))
             self._commits += to_disk
@@ -524,9 +527,14 @@ class NodeCheckpointer:
         except OSError as e:
             log.warning("could not remove the uncommitted slices of step %d from %s: %s", step, st.url, e)
 
+    def _durable(self, step: int) -> None:
+        self._durable_at[step] = time.time()
+        if len(self._durable_at) > 64:
+            self._durable_at.pop(min(self._durable_at))
+
     def flush_local(self) -> int | None:
         """Copy the memory tier's newest step to the local tier when it is newer (``memory_every``
-        snapshots skip the disk); blocking. Returns the local tier's newest step."""
+        snapshots and live saves skip the disk); blocking. Returns the local tier's newest step."""
         if self.local is None:
             return None
         with self._lock:
@@ -535,8 +543,17 @@ class NodeCheckpointer:
             if newest_mem is not None and (newest_local is None or newest_mem > newest_local):
                 transfer.commit_frozen(transfer.freeze(self.mem, newest_mem), newest_mem, self.local,
                                        source=f"memory of node {self.node_name}", keep=self.config.keep)
+                self._durable(newest_mem)
                 newest_local = newest_mem
         return newest_local
+
+    def make_durable(self) -> dict | None:
+        """:meth:`flush_local`, and when this node's newest local step committed there:
+        ``{"step", "t"}`` (wall time; None: no local tier or nothing on it). Blocking."""
+        step = self.flush_local()
+        if step is None:
+            return None
+        return {"step": step, "t": self._durable_at.get(step, time.time())}
 
     def flush_shared(self, step: int | None = None, timeout_s: float = 600.0) -> int | None:
         """Copy ``step`` (default: the newest committed) to shared storage and wait for it.
@@ -707,11 +724,12 @@ class ActorBackend:
         to_disk = self.policy is None or not hasattr(self.policy, "to_disk") or self.policy.to_disk(job.step)
         return ActorPending(self.actor.persist.remote(job, self.attempt, to_disk), job.step, job.gate)
 
-    def submit_live(self, job: PersistJob) -> ActorPending:
+    def submit_live(self, job: PersistJob, durable: bool = False) -> ActorPending:
         """A survivor's live state after a failure (:mod:`cfdist.checkpoint.live`): to the
         memory tier only (the local tier when the node has none), where the next group reads it
-        at memory speed and a peer node's actor can copy it from."""
-        return ActorPending(self.actor.persist.remote(job, self.attempt, False), job.step, job.gate)
+        at memory speed and a peer node's actor can copy it from; ``durable`` (a halt for a
+        notice that names every node: the memory tier dies with the node): the local tier too."""
+        return ActorPending(self.actor.persist.remote(job, self.attempt, durable), job.step, job.gate)
 
     def close(self) -> None:
         if self._gates is not None:   # the actor outlives the workers; the gates do not

@@ -421,6 +421,48 @@ class RayBackend:
         out, self._notices = self._notices, []
         return out
 
+    def commit_durable(self, nodes: list[NodeInfo], deadline: float) -> dict | None:
+        """Before a preemption that takes every node of the group: each node's newest step
+        (a halted group's live state lands in the memory tier) into its local tier, at once on
+        every node, then the newest of them into shared storage when the run has it, from the
+        node that holds it; all within ``deadline`` (wall time). Returns ``{"step", "tier",
+        "t"}`` of the newest durable commit (``"shared"`` or ``"local"``), or None when no node
+        holds one (memory tier only, or nothing committed)."""
+        actors = [(n, self.actors[n.node_id]) for n in nodes if n.node_id in self.actors]
+        refs = {a.make_durable.remote(): n for n, a in actors}
+        # Not past the kill (plus a moment: a halted group's live saves went to disk already,
+        # and the answer that says when is what is waited for here).
+        ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=max(0.0, deadline - time.time()) + 2.0)
+        for r in late:
+            ray.cancel(r, force=False)
+        best = None   # (step, when it was durable first, node)
+        for r in ready:
+            try:
+                got = ray.get(r)
+            except ray.exceptions.RayError as e:
+                log.warning("node %s could not make its newest step durable: %s", refs[r].name, e)
+                continue
+            if got is not None and (best is None or (got["step"], -got["t"]) > (best[0], -best[1])):
+                best = (got["step"], got["t"], refs[r])
+        if best is None:
+            return None
+        out = {"step": best[0], "tier": "local", "t": best[1]}
+        if self.config.shared_url():
+            left = deadline - time.time()
+            try:
+                got = ray.get(self.actors[best[2].node_id].flush_shared.remote(best[0], timeout_s=max(0.0, left)),
+                              timeout=max(0.0, left) + 1.0)
+                if got == best[0]:
+                    out.update(tier="shared", t=time.time())
+            except Exception as e:  # noqa: BLE001 - the local copies stay; reported by the caller's event
+                log.warning("step %d did not reach shared storage before the preemption: %s", best[0], e)
+        return out
+
+    def exclude(self, node_ids) -> None:
+        """Never use these nodes again (a cloud notice said they are taken; a replacement VM
+        joins as a new node)."""
+        self.excluded.update(node_ids)
+
     def finish(self) -> str | None:
         """Make the final checkpoint durable in shared storage (if any); return its URL."""
         if self.group is None or not self.group.nodes:

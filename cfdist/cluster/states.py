@@ -99,6 +99,9 @@ class WorkerGroup(Protocol):
 
     def notify(self, node_ranks: list[int], *, save: bool) -> None: ...
 
+    def halt(self) -> None:
+        """Every rank stops at its next iteration boundary; the node writers save that step."""
+
     def pids(self) -> list[int]: ...
 
     def shutdown(self) -> None: ...
@@ -123,6 +126,11 @@ class ClusterBackend(Protocol):
 
     def drain_commits(self) -> list[dict]:
         """Commit records of the node actors since the previous call."""
+
+    def commit_durable(self, nodes: list[NodeInfo], deadline: float) -> dict | None:
+        """Before every node of the group is taken: each node's newest step into its durable
+        tiers (local disk; shared storage when the run has it), within ``deadline`` (wall time).
+        Returns ``{"step", "tier", "t"}`` of the newest durable commit, or None."""
 
     def finish(self) -> str | None:
         """After success: make the final checkpoint durable; return its URL."""

@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cfdist.cluster.context import RankInfo, TrainContext
+from cfdist.cluster.context import PreemptionHalt, RankInfo, TrainContext
 from cfdist.cluster.proc_log import stderr_to_file
 from cfdist.cluster.exits import exit_process
 
@@ -171,8 +171,11 @@ class RankWorker:
         try:
             value = train_fn(self.ctx)
         except BaseException as e:
-            # the details of a failure: in this rank's log file, not on the driver's console
-            log.exception("rank %d (attempt %d): the training function failed", self.info.rank, self.info.attempt)
+            halted = isinstance(e, PreemptionHalt)
+            if halted:
+                log.warning("%s", e)
+            else:   # the details of a failure: in this rank's log file, not on the driver's console
+                log.exception("rank %d (attempt %d): the training function failed", self.info.rank, self.info.attempt)
             if isinstance(e, Exception):   # an interrupt (SIGTERM's exit, Ctrl-C) leaves at once
                 self._save_live()
             raise
@@ -195,20 +198,21 @@ class RankWorker:
         return out
 
     def _save_live(self) -> None:
-        """The group failed under this rank (a peer died: a collective raised): its node's
-        writer writes the live state of the last step it completed to the node's tiers
-        (:meth:`cfdist.Checkpointer.save_live`), so the next group loses at most the step in
-        progress. A save that fails or times out is logged; the run then rolls back to the last
+        """The group failed under this rank (a peer died: a collective raised), or halted for a
+        notice that names every node: its node's writer writes the live state of the last step
+        it completed to the node's tiers (:meth:`cfdist.Checkpointer.save_live`; to disk too
+        when halted), so the next group loses at most the step in progress. A save that fails or times out is logged; the run then rolls back to the last
         checkpoint, as without live recovery."""
         if self.live_timeout_s is None or self.ctx is None:
             return
         self._live_saving.set()
+        durable = self.ctx._halt.is_set()   # a notice named every node: the memory tier dies with them
         try:
             for ck in self.ctx._ckpts:
                 if getattr(ck, "_closed", False) or not ck.writer:
                     continue
                 try:
-                    ck.save_live(timeout_s=self.live_timeout_s)
+                    ck.save_live(timeout_s=self.live_timeout_s, durable=durable)
                 except Exception as err:  # noqa: BLE001 - logged; recovery falls back on the last commit
                     log.warning("rank %d: the live state could not be written (%s: %s); the run restarts from "
                                 "its last checkpoint", self.info.rank, type(err).__name__, err)
@@ -256,10 +260,11 @@ class RankWorker:
         """Step, metrics and restore records since the last call (empty before ``run``)."""
         return self.ctx._drain() if self.ctx is not None else []
 
-    def notify(self, preempted: bool = True, save: bool = True) -> None:
-        """Deliver a preemption notice (see ``TrainContext.preempted``) and/or a save request."""
+    def notify(self, preempted: bool = True, save: bool = True, halt: bool = False) -> None:
+        """Deliver a preemption notice (see ``TrainContext.preempted``), a save request, or
+        (``halt``: the notice names every node of the group) a stop at the next iteration boundary."""
         if self.ctx is not None:
-            self.ctx._notify(preempted=preempted, save=save)
+            self.ctx._notify(preempted=preempted, save=save, halt=halt)
 
     def current_step(self) -> int:
         """Steps this rank finished in this attempt's numbering (0 before training)."""

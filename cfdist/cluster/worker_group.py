@@ -224,6 +224,13 @@ class RayWorkerGroup:
             if hit or (save and rank % w == 0):
                 wk.notify.remote(preempted=hit, save=save and rank % w == 0)
 
+    def halt(self) -> None:
+        """Every rank stops at its next iteration boundary (a notice named every node of the
+        group): the node writers save that step from their live state, to disk (non-blocking;
+        the ranks' ``run`` then fail with :class:`~cfdist.cluster.context.PreemptionHalt`)."""
+        for wk in self.workers:
+            wk.notify.remote(preempted=True, save=False, halt=True)
+
     def node_rank_of(self, node_id: str | None) -> int | None:
         for i, n in enumerate(self.nodes):
             if n.node_id == node_id:

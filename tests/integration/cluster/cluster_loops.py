@@ -43,7 +43,8 @@ class Indexed(torch.utils.data.Dataset):
 def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: float = 0.05,
                hold_small: tuple[int, int, str] | None = None, freeze_at: tuple[int, int] | None = None,
                ckpt_kwargs: dict | None = None, hold_end: str | None = None,
-               spin_at: tuple[int, int] | None = None):
+               spin_at: tuple[int, int] | None = None, die_on_notice: tuple[int, int] | None = None,
+               hold_for_halt: tuple[int, str] | None = None):
     """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state.
 
     ``freeze_at=(rank, step)``: in the first attempt, that rank's process SIGSTOPs itself right
@@ -51,6 +52,11 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
     ``ckpt_kwargs``: further Checkpointer arguments (``buffers``, ``codecs``).
     ``spin_at=(rank, step)``: in the first attempt, that rank loops for ever after that step
     (its process still answers the driver).
+    ``die_on_notice=(rank, step)``: in the first attempt, that rank waits after that step until
+    its node's preemption notice arrived (``ctx.preempted``), then SIGKILLs itself.
+    ``hold_for_halt=(step, event_log)``: in the first attempt, every rank waits after that step
+    until the driver logged a ``halt`` (a pool notice's group trains on until its margin; a
+    fast machine would otherwise end the run first).
     ``hold_end=event_log``: in the first attempt, rank 1 leaves the loop after its last step only
     once the driver logged a failure, while rank 0 goes on to the end of its run (its final
     checkpoint then waits for rank 1's RNG states of the last step): an injected failure of
@@ -91,6 +97,11 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
                 while True:   # a hang in the loop's own code: the process still answers
                     time.sleep(0.05)
             time.sleep(step_sleep_s)
+            if die_on_notice == (ctx.rank, ckpt.step_count) and ctx.attempt == 0:
+                wait_for(lambda: ctx.preempted, 180.0, every_s=0.005)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if hold_for_halt is not None and ctx.attempt == 0 and ckpt.step_count == hold_for_halt[0]:
+                _wait_for_decision(hold_for_halt[1], "", event="halt")
             if hold_small is not None and ctx.world_size == hold_small[0] and ckpt.step_count == hold_small[1]:
                 _wait_for_decision(hold_small[2], "grow_at_next_checkpoint")
             if ckpt.step_count >= steps:

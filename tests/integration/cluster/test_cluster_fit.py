@@ -44,12 +44,15 @@ EVERY = 4
 
 
 def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, hold_small=None,
-         freeze_at=None, ckpt_kwargs=None, workers_per_node=1, hold_end=False, spin_at=None, **kw):
+         freeze_at=None, ckpt_kwargs=None, workers_per_node=1, hold_end=False, spin_at=None, die_on_notice=None,
+         hold_for_halt=None, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s,
                              hold_small=hold_small, freeze_at=freeze_at, ckpt_kwargs=ckpt_kwargs,
-                             hold_end=str(tmp / f"{name}.jsonl") if hold_end else None, spin_at=spin_at)
+                             hold_end=str(tmp / f"{name}.jsonl") if hold_end else None, spin_at=spin_at,
+                             die_on_notice=die_on_notice,
+                             hold_for_halt=(hold_for_halt, str(tmp / f"{name}.jsonl")) if hold_for_halt else None)
     result = fit(loop,
                  num_nodes=num_nodes, workers_per_node=workers_per_node, storage=f"file://{tmp}/{{node}}/local",
                  policy=Every(EVERY), preemption=schedule, run_name=name,
@@ -257,6 +260,46 @@ def test_lost_node_without_peer_copy_restores_from_shared(fake_cluster, referenc
     assert f.tier == "shared" and f.restored_step > 0
     _assert_same(result.value, reference)
     assert result.checkpoint.startswith(f"file://{tmp_path}/shared/shared/step-")
+    check_exactly_once(str(out), STEPS)
+
+
+@pytest.mark.parametrize("die", [None, (0, 2)], ids=["halt", "noticed-rank-killed"])
+def test_a_notice_naming_every_node_commits_the_last_completed_step_to_disk_before_the_kill(
+        fake_cluster, reference, tmp_path, die):
+    """Both nodes are noticed at step 2 (a whole spot pool reclaimed, 3 s of notice) and
+    drained at the deadline (their memory tiers die, their disks stay), then return. Real:
+    everything; the notice comes from the injector instead of a cloud's metadata server.
+    The point: no replica survives, yet the step the group had completed when it halted is on
+    a node's disk before the kill (``notice_commit``), the next group restores exactly that
+    step from disk (nothing lost), and the run ends bit-exact with each sample used once. With
+    ``die=(0, 2)`` rank 0 (node 0's writer) waits after step 2 for the notice and SIGKILLs
+    itself as soon as it arrives: node 1's copy commits, and node 0 gets it from node 1's disk. (The group trains on until the margin of
+    twice its commit latency is left, the controller's decision, tested with a clock in
+    tests/unit/cluster/test_cluster_controller.py; here the ranks wait after step 8 until the
+    halt, so that the run does not end first.)"""
+    fake_cluster.ensure_workers(2)
+    sched = StepSchedule([AtStep(step=2, kind="preempt", node=n, notice_s=3.0) for n in (0, 1)]
+                         + [AtStep(step=2, kind="return", node=n) for n in (0, 1)])
+    result, out = _fit(fake_cluster, tmp_path, "pool", schedule=sched, die_on_notice=die,
+                       hold_for_halt=None if die is not None else 8)
+    recs = _records(tmp_path / "pool.jsonl")
+    (d,) = [r for r in recs if r.get("what") == "pool_notice"]
+    assert len([r for r in recs if r["event"] == "halt"]) == 1 or die is not None
+    (nc,) = [r for r in recs if r["event"] == "notice_commit"]
+    assert nc["committed"] and nc["tier"] == "local" and nc["margin_s"] >= 0, nc
+    taken = [r for r in recs if r["event"] == "node_taken"]
+    assert [r["node"] for r in taken] == [0, 1] and taken[0]["t"] >= nc["t"]
+    (f,) = result.failure_stats
+    assert f.kind == ("preempt" if die is None else "crash")
+    # the step restored is the newest any rank completed: nothing lost to the preemption
+    assert f.restored_step == nc["step"] and f.lost_iterations == 0, (f, nc)
+    assert f.tier in ("local", "peer"), f
+    (choice,) = [r for r in recs if r.get("what") == "restore" and r["step"]]
+    assert choice["step"] == nc["step"] and {src for src, _ in choice["sources"].values()} <= {"local", "peer"}
+    if die is not None:   # node 0's writer died: node 0 gets node 1's copy
+        assert sorted(src for src, _ in choice["sources"].values()) == ["local", "peer"], choice
+    assert result.final_step == STEPS
+    _assert_same(result.value, reference)
     check_exactly_once(str(out), STEPS)
 
 

@@ -46,10 +46,19 @@ class Backend:
 
 
 class Controller:
+    """The injector's view of the controller; notices are recorded (what the job does with
+    them is the controller's, tested in tests/unit/cluster/test_cluster_controller.py)."""
+
     def __init__(self, group):
         self.state = RunningState(group)
         self.events = EventLog(None)
         self.step_now = 5
+        self.notices = []
+        self.pool = False   # what on_notice answers: whether the notices make a pool notice
+
+    def on_notice(self, nodes, window_s, *, source, **detail):
+        self.notices.append((list(nodes), round(window_s, 6), source, detail))
+        return self.pool
 
 
 class Schedule:
@@ -99,11 +108,9 @@ def test_crash_notice_preempt_and_return_happen_when_scheduled(killed):
     (fail,) = ctl.events.of("failure")
     assert fail["kind"] == "crash" and fail["rank"] == 1 and fail["step"] == 7 and fail["injected"]
     at(1.99)
-    assert ctl.events.of("notice") == []
-    at(2.0)   # notice_s before the kill; no commit measured yet: checkpoint now
-    (notice,) = ctl.events.of("notice")
-    assert notice["node"] == 1 and notice["save"] is True and notice["window_s"] == pytest.approx(1.0)
-    assert group.notified == [((1,), True)]
+    assert ctl.notices == []
+    at(2.0)   # notice_s before the kill, to the controller
+    assert ctl.notices == [([1], 1.0, "injected", {"notice_s": 1.0})]
     at(3.0)
     preempt = ctl.events.of("failure")[1]
     assert preempt["kind"] == "preempt" and preempt["node"] == 1 and preempt["notice_s"] == 1.0
@@ -115,17 +122,57 @@ def test_crash_notice_preempt_and_return_happen_when_scheduled(killed):
     assert inj.claim() is None
 
 
-def test_notice_skips_the_emergency_checkpoint_that_cannot_commit_before_the_kill(killed):
-    inj, ctl, group, backend, at = _setup([FailureEvent(time_s=5.0, kind="preempt", node=0, notice_s=0.5)])
-    for s, t, commit in ((10, 1.0, 3.0), (20, 2.0, 4.0)):   # commits take 2 s after their step
-        ctl.events.emit("step", t=100 + t, step=s)
-        ctl.events.emit("checkpoint_committed", t=100 + commit, step=s, tier="memory")
-    at(4.5)
-    (notice,) = ctl.events.of("notice")
-    assert notice["save"] is False and "exceeds the 0.50s window" in notice["reason"]
-    assert group.notified == [((0,), False)]   # the node still learns it is going away
-    at(5.0)
-    assert backend.excluded == {"id0"} and killed == ["rank-actor-0", "node-actor-0"]
+def test_the_notices_of_one_instant_go_together_and_a_pool_notice_is_taken_on_time(killed):
+    """Both nodes noticed at the same instant: one call to the controller; it answers that they
+    make a pool notice (the job halts and recovers meanwhile), so both kills land at their time
+    although no group runs, as ``node_taken`` (the controller logged the failure at the halt),
+    and the nodes return as scheduled."""
+    inj, ctl, group, backend, at = _setup([
+        FailureEvent(time_s=3.0, kind="preempt", node=0, notice_s=1.0),
+        FailureEvent(time_s=3.0, kind="preempt", node=1, notice_s=1.0),
+        FailureEvent(time_s=4.0, kind="return", node=0),
+        FailureEvent(time_s=4.0, kind="return", node=1),
+    ])
+    ctl.pool = True
+    at(2.0)
+    assert ctl.notices == [([0, 1], 1.0, "injected", {"notice_s": 1.0})]
+    ctl.state = RecoveringState()   # halted, committed, waiting for the kill
+    at(3.0)
+    assert [r["node"] for r in ctl.events.of("node_taken")] == [0, 1]
+    assert backend.excluded == {"id0", "id1"} and killed == ["node-actor-0", "node-actor-1"]
+    assert ctl.events.of("failure") == [] and ctl.events.of("injection_deferred") == []
+    assert inj.claim() is None   # nothing for the controller to match: it saw the halt itself
+    at(4.0)
+    assert backend.excluded == set() and len(ctl.events.of("node_returned")) == 2
+
+
+def test_a_step_schedules_pool_notice_is_one_notice_and_its_kills_and_returns_need_no_group(killed):
+    """Noticed preemptions of the same step make one notice, once that step is reached; the
+    kills come ``notice_s`` later although the job halted, and the returns after them."""
+    from cfdist.cluster.injector import AtStep, StepSchedule
+
+    now = [100.0]
+    group, backend = Group(), Backend()
+    inj = FailureInjector(StepSchedule([AtStep(step=6, kind="preempt", node=n, notice_s=2.0) for n in (0, 1)]
+                                       + [AtStep(step=6, kind="return", node=n) for n in (0, 1)]),
+                          num_nodes=2, backend=backend, clock=lambda: now[0])
+    ctl = Controller(group)
+    ctl.pool = True
+    inj.tick(ctl)                       # step 5: not yet
+    assert ctl.notices == []
+    ctl.step_now = 6
+    inj.tick(ctl)
+    assert ctl.notices == [([0, 1], 2.0, "injected", {"notice_s": 2.0})]
+    ctl.state = RecoveringState()
+    now[0] += 1.0
+    for _ in range(4):
+        inj.tick(ctl)
+    assert ctl.events.of("node_taken") == []   # notice_s has not passed
+    now[0] += 1.0
+    for _ in range(4):
+        inj.tick(ctl)
+    assert [r["node"] for r in ctl.events.of("node_taken")] == [0, 1]
+    assert [r["node"] for r in ctl.events.of("node_returned")] == [0, 1] and backend.excluded == set()
 
 
 def test_a_slot_that_is_down_is_not_preempted_again_and_returns_once(killed):

@@ -52,6 +52,7 @@ def test_failure_event_is_frozen_and_keyword_only():
         (lambda: Exponential(10.0, kind="meteor"), "kind"),
         (lambda: Exponential(10.0, return_after_s=-1.0), "return_after_s"),
         (lambda: Exponential(10.0, ranks_per_node=0), "ranks_per_node"),
+        (lambda: FixedInterval(10.0, kind="crash", pool=True), "pool=True"),
     ],
 )
 def test_schedule_configs_validate(make, match):
@@ -161,6 +162,17 @@ def test_nodes_that_never_return_stop_the_arrivals():
     assert [e.kind for e in evs] == ["preempt"] * 4
     assert sorted(e.node for e in evs) == [0, 1, 2, 3]
     assert _replay_states(evs, 4) == [False] * 4
+
+
+def test_a_pool_preemption_takes_every_node_that_is_up_at_one_instant():
+    """``pool=True``: each arrival preempts every node that is up, with one notice, and each
+    returns ``return_after_s`` later; an arrival while they are all down is dropped."""
+    evs = FixedInterval(10.0, pool=True, notice_s=2.0, return_after_s=15.0).events(3, 45.0)
+    pre = [(e.time_s, e.node) for e in evs if e.kind == "preempt"]
+    assert pre == [(10.0, 0), (10.0, 1), (10.0, 2), (30.0, 0), (30.0, 1), (30.0, 2)]   # 20.0: all down
+    assert all(e.notice_s == 2.0 for e in evs if e.kind == "preempt")
+    assert [(e.time_s, e.node) for e in evs if e.kind == "return"] == [(25.0, 0), (25.0, 1), (25.0, 2)]
+    _replay_states(evs, 3)
 
 
 def test_seeded_pickers_are_reproducible_and_in_range():

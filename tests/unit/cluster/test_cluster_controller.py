@@ -47,6 +47,11 @@ class FakeGroup:
     def notify(self, nodes, *, save):
         self.notified.append((tuple(nodes), save))
 
+    def halt(self):
+        self.halted = True
+
+    halted = False
+
     def pids(self):
         return [1, 2]
 
@@ -94,6 +99,17 @@ class FakeBackend:
 
     def finish(self):
         return "file:///ckpt/step-000000010"
+
+    durable = None   # what commit_durable answers (the test sets it)
+    excluded = ()
+
+    def commit_durable(self, nodes, deadline):
+        self.durable_calls = getattr(self, "durable_calls", []) + [([n.node_id for n in nodes], deadline)]
+        return self.durable
+
+    def exclude(self, node_ids):
+        self.excluded = tuple(node_ids)
+        self.lost |= set(node_ids)
 
 
 def step_rec(t, step):
@@ -413,3 +429,100 @@ def test_a_group_at_the_end_of_its_run_is_not_a_hang():
         ctl.step()
     assert Finishing.calls == 1 and ev.of("hang") == [] and isinstance(ctl.state, RunningState)
     assert ctl._progress_at == 1006.0   # the next look comes a timeout after this one
+
+
+def test_an_injected_notice_skips_the_emergency_checkpoint_that_cannot_commit_before_the_kill():
+    """One node of two noticed (a replica survives): an emergency checkpoint on every node,
+    unless the recent commit latency says it cannot commit before the kill."""
+    clock = Clock()
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1001, 1)])] * 3])
+    ctl, ev = make(be, clock)
+    ctl.step()
+    for s_, t, commit in ((10, 1.0, 3.0), (20, 2.0, 4.0)):   # commits take 2 s after their step
+        ev.emit("step", t=1000 + t, step=s_)
+        ev.emit("checkpoint_committed", t=1000 + commit, step=s_, tier="memory")
+    assert ctl.on_notice([0], 0.5, source="injected", notice_s=0.5) is False
+    (notice,) = ev.of("notice")
+    assert notice["save"] is False and "exceeds the 0.50s window" in notice["reason"] and notice["notice_s"] == 0.5
+    assert be.groups[0][0].notified == [((0,), False)]   # the node still learns it is going away
+    assert not be.groups[0][0].halted
+
+
+def _pool_run(clock, durable, *, cloud=False, **cfg):
+    """Two nodes running; the test delivers notices. The halted ranks fail at the next poll."""
+    halted = [GroupStatus(errors=[RankError(r, N[r].node_id, False, "PreemptionHalt: rank halted")
+                                  for r in (0, 1)])]
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1001, 1)])] * 40 + halted,
+                             [GroupStatus(finished=True, results={0: {"final_step": 9}})]])
+    be.durable = durable
+    ctl, ev = make(be, clock, **cfg)
+    ctl.step()
+    ctl.step()
+    return be, ctl, ev
+
+
+def test_a_notice_naming_every_node_halts_the_group_commits_its_last_step_durably_then_waits_for_the_kill():
+    """Notices for node 1, then node 0: together every node of the group (no replica survives).
+    No commit latency measured yet: the group halts at once; its ranks fail with
+    PreemptionHalt; the failure is a preemption caused by the notice, dated at the halt; the
+    newest step is made durable on every node before the deadline (``notice_commit``), and
+    recovery starts only once the deadline passed (then on the replacement nodes)."""
+    clock = Clock()
+    be, ctl, ev = _pool_run(clock, None)
+    group = be.groups[0][0]
+    assert ctl.on_notice([1], 5.0, source="aws") is False and not group.halted
+    deadline = clock.t + 4.0
+    be.durable = {"step": 7, "tier": "local", "t": clock.t + 1.0}
+    assert ctl.on_notice([0], 4.0, source="aws") is True
+    assert group.halted and [d["what"] for d in ev.of("decision")][-1] == "pool_notice"
+    assert [n["pool"] for n in ev.of("notice")] == [False, True]
+    assert len(ev.of("halt")) == 1
+    halted_at = clock.t
+    be.groups[0][0].script = be.groups[0][0].script[-1:]   # the ranks' PreemptionHalt
+    ctl.step()
+    assert isinstance(ctl.state, RecoveringState)
+    (fail,) = ev.of("failure")
+    assert fail["kind"] == "preempt" and fail["cause"] == "notice" and ctl.state.failure.failed_at == halted_at
+    assert be.durable_calls == [([N[0].node_id, N[1].node_id], deadline)]
+    (nc,) = ev.of("notice_commit")
+    assert nc["committed"] is True and nc["step"] == 7 and nc["tier"] == "local" and nc["margin_s"] == 3.0
+    while clock.t < deadline:
+        ctl.step()
+        assert isinstance(ctl.state, RecoveringState) and len(be.groups) == 1, "a group started before the kill"
+    assert [d["what"] for d in ev.of("decision")].count("wait_for_preemption") == 1
+    be.nodes.append(N[2])               # the replacement VM joins
+    ctl.step()
+    assert be.excluded == (N[0].node_id, N[1].node_id)   # cloud nodes: never used again
+    assert len(be.groups) == 2 and [n.node_id for n in be.groups[1][0].nodes] == [N[2].node_id]
+
+
+def test_a_pool_notice_with_time_to_spare_trains_on_until_its_margin():
+    """Durable commits took 0.5 s after their step, a step takes 1 s and the controller polls
+    every 0.5 s: the margin is 2 x 0.5 + 1 + 0.5 = 2.5 s, so with a 10 s window the group trains
+    7.5 s more, then halts."""
+    clock = Clock()
+    be, ctl, ev = _pool_run(clock, {"step": 12, "tier": "shared", "t": 0.0}, poll_s=0.5)
+    for s_ in range(1, 8):
+        ev.emit("step", t=1002.0 + s_, step=s_)
+        ev.emit("checkpoint_committed", t=1002.5 + s_, step=s_, tier="local")
+    ctl.on_notice([0, 1], 10.0, source="injected")
+    group = be.groups[0][0]
+    (d,) = [d for d in ev.of("decision") if d["what"] == "pool_notice"]
+    assert d["halt_in_s"] == 7.5 and "margin 2.5s" in d["reason"]
+    t_notice = clock.t
+    while clock.t < t_notice + 7.5:
+        assert not group.halted, f"halted {clock.t - t_notice:.1f}s after the notice, 7.5s wanted"
+        ctl.step()
+        clock.t += 0.5
+    ctl.step()
+    assert group.halted
+
+
+def test_without_live_recovery_a_pool_notice_is_an_emergency_checkpoint():
+    """Live recovery off: no live state to save at a halt, so every node noticed is the plain
+    emergency checkpoint (the ranks checkpoint at a step they agree on)."""
+    clock = Clock()
+    be, ctl, ev = _pool_run(clock, None, live_recovery=False)
+    assert ctl.on_notice([0, 1], 30.0, source="gcp") is False
+    assert not be.groups[0][0].halted and be.groups[0][0].notified == [((0, 1), True)]
+    assert ev.of("halt") == [] and all(not n["pool"] for n in ev.of("notice"))

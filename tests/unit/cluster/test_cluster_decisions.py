@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cfdist.cluster.decisions import Failure, FailurePolicy, Holding, ScalingPolicy, choose_restore
+from cfdist.cluster.decisions import Failure, FailurePolicy, Holding, ScalingPolicy, choose_restore, pool_halt
 
 A, B, C = "a" * 16, "b" * 16, "c" * 16
 
@@ -71,3 +71,20 @@ def test_failure_policy(so_far, max_failures, action):
 def test_failure_kind_is_validated():
     with pytest.raises(ValueError, match="kind"):
         Failure(kind="boom", step=1)
+
+
+@pytest.mark.parametrize("window, latencies, step_s, halt_in, phrase", [
+    (30.0, [], 0.5, 0.0, "no durable commit latency measured yet"),        # nothing known: at once
+    (30.0, [1.0, 2.0, 1.5], 0.5, 30.0 - (2 * 1.5 + 0.5), "train"),        # margin 2 x median + a step
+    (3.0, [1.0, 2.0, 1.5], 0.5, 0.0, "halt now"),                           # window within the margin
+    (3.5, [1.0, 2.0, 1.5], 0.5, 0.0, "halt now"),                           # exactly the margin
+    (10.0, [9.0] * 10 + [1.0] * 5, None, 8.0, "train"),                     # median of the last five
+])
+def test_pool_halt_leaves_twice_the_commit_latency_and_a_step_before_the_kill(window, latencies, step_s, halt_in,
+                                                                              phrase):
+    d = pool_halt(window, latencies, step_s)
+    assert d.halt_in_s == pytest.approx(halt_in) and phrase in d.reason
+
+
+def test_pool_halt_adds_the_delivery_slack_to_its_margin():
+    assert pool_halt(10.0, [1.0], 0.5, slack_s=0.2).halt_in_s == pytest.approx(10.0 - 2.7)
