@@ -38,6 +38,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -61,8 +62,11 @@ class Never:
         pass
 
 
-def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64, step_s: float = 0.0):
-    """An MLP regression under DDP; rank 0 returns nothing (the event log is the output)."""
+def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64, step_s: float = 0.0,
+               kill_noticed: bool = False):
+    """An MLP regression under DDP; rank 0 returns nothing (the event log is the output). With
+    ``kill_noticed``, rank 0 SIGKILLs itself at the end of the first step after its node's
+    preemption notice, in every other attempt (``bench_notices.py``)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import cfdist
@@ -84,6 +88,8 @@ def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64, st
             ckpt.step(opt)
             opt.zero_grad()
             time.sleep(step_s)   # stands in for a bigger model's compute
+            if kill_noticed and ctx.rank == 0 and ctx.attempt % 2 == 0 and ctx.preempted:
+                os.kill(os.getpid(), signal.SIGKILL)
             if ckpt.step_count >= steps:
                 break
 

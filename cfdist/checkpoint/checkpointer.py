@@ -527,8 +527,11 @@ class Checkpointer:
         updated: ``ckpt.step``'s ``optimizer.step()`` raised). The checkpoint holds this rank's
         RNG states; the other ranks resume with derived ones (:mod:`cfdist.checkpoint.live`).
         A persist of this Checkpointer still in flight is given up to ``timeout_s`` to commit
-        first. ``durable``: to every tier of the backend (a node actor's local disk too), not
-        only its fastest. Raises what the write raised (its own timeout included). Training
+        first. ``durable`` (every node is about to be taken: only what reaches disk counts): to
+        the backend's durable tiers (a node actor's local disk, not its memory tier), and the
+        persists in flight are given up instead of waited for unless they are committing (the
+        live state supersedes an older step; a persist of the same step may wait for the RNG
+        states of a rank that died with the notice, while the live state holds this rank's). Raises what the write raised (its own timeout included). Training
         thread, after the loop was left."""
         if self._live is None:
             if not self.writer:
@@ -536,6 +539,11 @@ class Checkpointer:
                 return None
             raise RuntimeError("save_live() needs the live state kept at every step: build the Checkpointer "
                                "with group=cfdist.GroupOptions(live=True)")
+        if durable:
+            for p, _ in list(self._inflight):
+                if p.abandon():
+                    log.info("rank %d: the persist of step %d is given up for the live state of step %d",
+                             self.rank, p.step, self._live.step)
         self._settle_inflight(time.monotonic() + min(timeout_s, _LIVE_SETTLE_S))
         if self._latest is not None and self._live.floor < self._latest:
             self._live.floor = self._latest

@@ -58,7 +58,7 @@ import uuid
 import weakref
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -297,6 +297,18 @@ def _claim_commit(job: PersistJob) -> None:
                                f"commit; not committing it")
 
 
+def _until_given_up(chunks, check: Callable[[], None]):
+    """``chunks``, with ``check()`` (raises once the persist was given up) before each: a write
+    given up stops at its next chunk instead of finishing a checkpoint that cannot commit (a
+    node actor's next write, a live state that supersedes it, waits for it)."""
+    try:
+        for c in chunks:
+            check()
+            yield c
+    finally:
+        chunks.close()   # its own cleanup (the hashing thread) now, not at garbage collection
+
+
 def _shard_chunks(header: bytes, arena: np.ndarray | None, entries: list[TensorEntry], sums: dict,
                   buffers: list | None = None):
     """The shard's bytes in chunks: each entry's slice of ``arena``, or its buffer in ``buffers``.
@@ -440,9 +452,9 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
         arenas = [attach_arena(s.arena_path, s.nbytes) for s in job.shards]
     arenas = {s.index: a for s, a in zip(job.shards, arenas)}
 
-    def check() -> None:   # a streamed write waiting for the snapshot's next window
+    def check() -> None:   # before each chunk (and a streamed write's wait for the next window)
         if job.gate is not None and job.gate.abandoned():
-            raise PersistAbandoned(f"persist of step {job.step} was given up while it waited for the snapshot")
+            raise PersistAbandoned(f"persist of step {job.step} was given up while it was written")
     parts = job.slices or []
     staging = {r: (f"{final}{TMP_MARK}{job.staging_tag}" if job.staging_tag and storages[r].atomic_rename
                    else storages[r].staging_dir(final))
@@ -473,9 +485,9 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
                 chunks = _stream_chunks(hdr, stream, sh.entries, sums, lag=writes_in_flight(job.io_threads),
                                         check=check)
             elif enc is None:
-                chunks = _shard_chunks(hdr, arena, sh.entries, sums)
+                chunks = _until_given_up(_shard_chunks(hdr, arena, sh.entries, sums), check)
             else:
-                chunks = _shard_chunks(hdr, None, sh.entries, sums, sh.buffers)
+                chunks = _until_given_up(_shard_chunks(hdr, None, sh.entries, sums, sh.buffers), check)
             try:
                 with io_mode(job.io, threads=job.io_threads, reuse=True):
                     n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}", chunks)

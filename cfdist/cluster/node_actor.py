@@ -279,9 +279,10 @@ class NodeCheckpointer:
         return n
 
     # ---- the persist path ----------------------------------------------------------------------
-    def persist(self, job: PersistJob, attempt: int, to_disk: bool = True) -> CommitInfo:
+    def persist(self, job: PersistJob, attempt: int, to_disk: bool = True, memory: bool = True) -> CommitInfo:
         """Write ``job`` to the memory and local tiers (blocking the caller's handle only);
-        ``to_disk=False`` (a ``memory_every`` snapshot): the memory tier only."""
+        ``to_disk=False`` (a ``memory_every`` snapshot): the memory tier only; ``memory=False``
+        (every node is about to be taken): the local tier only, when the node has one."""
         t0 = time.perf_counter()
         with self._lock:
             if attempt != self._attempt:
@@ -292,6 +293,8 @@ class NodeCheckpointer:
             in_memory = dataclasses.replace(job, keep_epoch_ends=0)
             for tier, sts, jb in (("memory", self.mem, in_memory), ("local", self.local, job)):
                 if sts is None or (tier != "memory" and not to_disk and self.mem is not None):
+                    continue
+                if tier == "memory" and not memory and to_disk and self.local is not None:
                     continue
                 if job.streams is not None and infos:
                     # streamed (a host-memory budget): the windows went into the memory tier as they
@@ -728,8 +731,9 @@ class ActorBackend:
         """A survivor's live state after a failure (:mod:`cfdist.checkpoint.live`): to the
         memory tier only (the local tier when the node has none), where the next group reads it
         at memory speed and a peer node's actor can copy it from; ``durable`` (a halt for a
-        notice that names every node: the memory tier dies with the node): the local tier too."""
-        return ActorPending(self.actor.persist.remote(job, self.attempt, durable), job.step, job.gate)
+        notice that names every node: the memory tier dies with the node): the local tier
+        instead (the memory tier when the node has no local one)."""
+        return ActorPending(self.actor.persist.remote(job, self.attempt, durable, not durable), job.step, job.gate)
 
     def close(self) -> None:
         if self._gates is not None:   # the actor outlives the workers; the gates do not

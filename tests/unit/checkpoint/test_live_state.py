@@ -160,3 +160,40 @@ def test_a_restart_from_the_live_state_is_not_a_failure_autos_interval_answers_t
                                group=cfdist.GroupOptions(live=True))
     assert auto.ctx.failure_times_s == [], auto.ctx.failure_times_s
     ckpt.close()
+
+
+def test_a_durable_live_save_gives_up_an_older_persist_in_flight_instead_of_waiting(tmp_path, caplog):
+    """Step 4's persist hangs in its shard write (``cfdist.testing.hang``); the loop fails in
+    step 6. ``save_live(durable=True)`` (every node is about to be taken) gives step 4 up instead
+    of waiting for it (a plain ``save_live`` gives a persist in flight up to 2 s to commit first)
+    and writes step 5 while step 4's write is still blocked; step 4 never commits, also once
+    its write was released and has ended."""
+    import logging
+    import time
+
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.storage import open_storage
+    from cfdist.testing import hang
+
+    url = f"file://{tmp_path}/run"
+    st = hang(open_storage(url))
+    run = _objects(st, every=4)
+    st.arm(hang_after_bytes=0, only="shard")
+    with pytest.raises(Boom):
+        _train(run, STEPS, fail_at=FAIL_AT)
+    ckpt = run[-1]
+    assert st.entered.wait(30), "step 4's shard write never started"
+    st.arm(hang_after_bytes=None)   # later writes pass; step 4's stays blocked
+    try:
+        with caplog.at_level(logging.INFO, logger="cfdist.checkpointer"):
+            assert ckpt.save_live(timeout_s=30, durable=True) == FAIL_AT - 1
+        assert st.hung == 1, "step 4's write is no longer blocked: the save could have waited for it"
+        assert "the persist of step 4 is given up for the live state of step 5" in caplog.text
+    finally:
+        st.release()
+        ckpt.abandon()
+    deadline = time.monotonic() + 30
+    while st.hung and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert st.hung == 0, "step 4's released write did not end within 30 s"
+    assert committed_steps(open_storage(url)) == [FAIL_AT - 1]

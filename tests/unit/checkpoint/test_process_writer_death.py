@@ -75,3 +75,34 @@ def test_an_abandoned_persist_whose_writer_died_stays_failed(tmp_path):
     with pytest.raises(BrokenProcessPool):
         _died(_backend(url), job2).result(timeout=5)
     snap.close(), snap2.close()
+
+
+def test_a_write_given_up_midway_stops_at_its_next_chunk_and_commits_nothing(tmp_path, monkeypatch):
+    """The persist is given up (its gate abandoned, as ``save_live(durable=True)`` does to an
+    older persist in flight) after the shard's first data chunk was written: the writer stops
+    there (``PersistAbandoned``) instead of writing the remaining chunks of a checkpoint that
+    cannot commit; nothing is committed. Real: ``write_checkpoint`` into ``file://``, the file
+    gate; the chunk size is made small so that the 4 KB tensor spans four chunks."""
+    from cfdist.checkpoint import persist
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.storage import open_storage
+
+    monkeypatch.setattr(persist, "_CHUNK", 1024)
+    url = f"file://{tmp_path}/run"
+    snap, job = _job(tmp_path, 9, "gate-9")
+    sent = []
+    real = persist._shard_chunks
+
+    def chunks(*a, **k):
+        for c in real(*a, **k):
+            sent.append(len(c))
+            if len(sent) == 2:          # the header, then the first data chunk: given up now
+                assert job.gate.abandon()
+            yield c
+
+    monkeypatch.setattr(persist, "_shard_chunks", chunks)
+    with pytest.raises(persist.PersistAbandoned, match="given up while it was written"):
+        write_checkpoint(open_storages([url]), job)
+    assert sent[1:] == [1024], sent   # the 3 chunks after it were never read (nor that one written)
+    assert committed_steps(open_storage(url)) == []
+    snap.close()
