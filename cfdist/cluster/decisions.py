@@ -173,8 +173,13 @@ class HaltDecision:
     reason: str
 
 
+POOL_HALT_FLOOR_S = 1.0
+"""The least margin :func:`pool_halt` leaves before the kill: a second of training out of a
+notice's 30-120 s, against a machine slower than its recent commits said."""
+
+
 def pool_halt(window_s: float, latencies_s: Sequence[float], step_s: float | None, *,
-              slack_s: float = 0.0) -> HaltDecision:
+              slack_s: float = 0.0, floor_s: float = POOL_HALT_FLOOR_S) -> HaltDecision:
     """When to halt a group whose every node a preemption notice named (a whole spot pool
     reclaimed: no replica survives the kill, ``window_s`` from now). Pure.
 
@@ -183,15 +188,16 @@ def pool_halt(window_s: float, latencies_s: Sequence[float], step_s: float | Non
     latency (``latencies_s``: step to commit on disk, median of the last five; a checkpoint in
     flight at the halt, then the live save, each take about that) + one step (``step_s``: the
     halt waits for the update in progress) + ``slack_s`` (the halt's own delivery: the
-    controller's poll). With no latency measured yet, or a window within the margin: at once.
+    controller's poll), and at least ``floor_s``. With no latency measured yet, or a window
+    within the margin: at once.
     """
     recent = list(latencies_s)[-5:]
     if not recent:
         return HaltDecision(0.0, f"window {window_s:.2f}s, no durable commit latency measured yet: halt now")
     est = statistics.median(recent)
-    margin = 2 * est + (step_s or 0.0) + slack_s
+    margin = max(2 * est + (step_s or 0.0) + slack_s, floor_s)
     inputs = (f"commit latency ~{est:.3g}s (median of {len(recent)}), step {step_s or 0:.3g}s, "
-              f"slack {slack_s:.3g}s, margin {margin:.3g}s")
+              f"slack {slack_s:.3g}s, margin {margin:.3g}s (at least {floor_s:g}s)")
     if window_s <= margin:
         return HaltDecision(0.0, f"window {window_s:.2f}s <= {inputs}: halt now")
     return HaltDecision(window_s - margin, f"window {window_s:.2f}s, {inputs}: train {window_s - margin:.2f}s more, "

@@ -82,9 +82,12 @@ def test_failure_kind_is_validated():
 ])
 def test_pool_halt_leaves_twice_the_commit_latency_and_a_step_before_the_kill(window, latencies, step_s, halt_in,
                                                                               phrase):
-    d = pool_halt(window, latencies, step_s)
+    d = pool_halt(window, latencies, step_s, floor_s=0.0)
     assert d.halt_in_s == pytest.approx(halt_in) and phrase in d.reason
 
 
-def test_pool_halt_adds_the_delivery_slack_to_its_margin():
+def test_pool_halt_adds_the_delivery_slack_to_its_margin_and_leaves_at_least_its_floor():
     assert pool_halt(10.0, [1.0], 0.5, slack_s=0.2).halt_in_s == pytest.approx(10.0 - 2.7)
+    d = pool_halt(30.0, [0.05], 0.02)   # 2 x 0.05 + 0.02 = 0.12 s: the floor of 1 s instead
+    assert d.halt_in_s == pytest.approx(29.0) and "margin 1s (at least 1s)" in d.reason
+    assert pool_halt(0.8, [0.05], 0.02).halt_in_s == 0.0   # within the floor: at once
