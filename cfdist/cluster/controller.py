@@ -30,6 +30,9 @@ from cfdist.cluster.states import (
 
 log = logging.getLogger("cfdist.controller")
 
+NOTICE_GRACE_S = 30.0
+"""After a pool notice's deadline, how long recovery waits for a cloud to take the noticed nodes."""
+
 
 class Controller:
     """Drives one ``fit`` run. ``run()`` loops ``step()`` until FINISHED or FAILED."""
@@ -358,8 +361,7 @@ class Controller:
             deadline = min(self._noticed[n.node_id] for n in group.nodes)   # the first node taken
             plan = pool_halt(deadline - now, durable, step_s, slack_s=self.config.poll_s)
             self._pool = {"deadline": deadline, "halt_at": now + plan.halt_in_s, "halted_at": None,
-                          "node_ids": [n.node_id for n in group.nodes], "cloud": source != "injected",
-                          "noticed_at": now}
+                          "nodes": list(group.nodes), "cloud": source != "injected", "noticed_at": now}
             save, reason = False, plan.reason
             self.decide("pool_notice", f"the preemption notices name every node of the group: {plan.reason}",
                         step=self.step_now, window_s=round(deadline - now, 3), halt_in_s=round(plan.halt_in_s, 3))
@@ -406,18 +408,27 @@ class Controller:
 
     def _pool_gone(self, st: RecoveringState) -> bool:
         """Recovery after a pool notice waits for the kill (a group started before it would be
-        killed with the nodes); True once the deadline passed (cloud nodes are then excluded:
-        their replacements join as new nodes)."""
-        pool = self._pool
-        if self.clock() < pool["deadline"]:
+        killed with the nodes): True once the deadline passed and, for a cloud's notice, the
+        noticed nodes are gone (the kill takes a moment; a node still up
+        :data:`NOTICE_GRACE_S` after the deadline was a false notice and is used again). The
+        failure injector takes its nodes at the deadline itself."""
+        pool, now = self._pool, self.clock()
+        if now < pool["deadline"]:
             if not pool.get("waiting"):
                 pool["waiting"] = True
                 self.decide("wait_for_preemption", f"every node of the group is taken in "
-                            f"{pool['deadline'] - self.clock():.2f}s: recovering after that", step=self.step_now)
-            self.sleep(min(self.config.poll_s, max(0.0, pool["deadline"] - self.clock())))
+                            f"{pool['deadline'] - now:.2f}s: recovering after that", step=self.step_now)
+            self.sleep(min(self.config.poll_s, max(0.0, pool["deadline"] - now)))
             return False
         if pool["cloud"]:
-            self.backend.exclude(pool["node_ids"])
+            lost = self.backend.lost_nodes(pool["nodes"])
+            up = [n.name for n in pool["nodes"] if n.node_id not in lost]
+            if up and now < pool["deadline"] + NOTICE_GRACE_S:
+                self.sleep(self.config.poll_s)
+                return False
+            if up:
+                self.decide("notice_without_preemption", f"{up} still up {NOTICE_GRACE_S:g}s after the notices' "
+                            f"deadline: recovering on them", nodes=up)
         self._pool = None
         self._noticed.clear()
         return True

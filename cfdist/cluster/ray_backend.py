@@ -458,11 +458,6 @@ class RayBackend:
                 log.warning("step %d did not reach shared storage before the preemption: %s", best[0], e)
         return out
 
-    def exclude(self, node_ids) -> None:
-        """Never use these nodes again (a cloud notice said they are taken; a replacement VM
-        joins as a new node)."""
-        self.excluded.update(node_ids)
-
     def finish(self) -> str | None:
         """Make the final checkpoint durable in shared storage (if any); return its URL."""
         if self.group is None or not self.group.nodes:

@@ -101,15 +101,10 @@ class FakeBackend:
         return "file:///ckpt/step-000000010"
 
     durable = None   # what commit_durable answers (the test sets it)
-    excluded = ()
 
     def commit_durable(self, nodes, deadline):
         self.durable_calls = getattr(self, "durable_calls", []) + [([n.node_id for n in nodes], deadline)]
         return self.durable
-
-    def exclude(self, node_ids):
-        self.excluded = tuple(node_ids)
-        self.lost |= set(node_ids)
 
 
 def step_rec(t, step):
@@ -486,14 +481,33 @@ def test_a_notice_naming_every_node_halts_the_group_commits_its_last_step_durabl
     assert be.durable_calls == [([N[0].node_id, N[1].node_id], deadline)]
     (nc,) = ev.of("notice_commit")
     assert nc["committed"] is True and nc["step"] == 7 and nc["tier"] == "local" and nc["margin_s"] == 3.0
-    while clock.t < deadline:
+    while clock.t < deadline + 5.0:     # the cloud takes its time: the nodes are still up
         ctl.step()
         assert isinstance(ctl.state, RecoveringState) and len(be.groups) == 1, "a group started before the kill"
     assert [d["what"] for d in ev.of("decision")].count("wait_for_preemption") == 1
-    be.nodes.append(N[2])               # the replacement VM joins
+    be.lost |= {N[0].node_id, N[1].node_id}   # gone
+    be.nodes.append(N[2])               # and the replacement VM joins
     ctl.step()
-    assert be.excluded == (N[0].node_id, N[1].node_id)   # cloud nodes: never used again
     assert len(be.groups) == 2 and [n.node_id for n in be.groups[1][0].nodes] == [N[2].node_id]
+
+
+def test_nodes_still_up_long_after_a_pool_notices_deadline_are_used_again():
+    """A false notice: the nodes are still up 30 s after the deadline; recovery goes on with
+    them (logged), instead of waiting for nodes that were never taken."""
+    from cfdist.cluster.controller import NOTICE_GRACE_S
+
+    clock = Clock()
+    be, ctl, ev = _pool_run(clock, {"step": 3, "tier": "local", "t": clock.t})
+    deadline = clock.t + 2.0
+    ctl.on_notice([0, 1], 2.0, source="gcp")
+    be.groups[0][0].script = be.groups[0][0].script[-1:]
+    ctl.step()
+    while clock.t < deadline + NOTICE_GRACE_S:
+        ctl.step()
+        assert len(be.groups) == 1
+    ctl.step()
+    (d,) = [d for d in ev.of("decision") if d["what"] == "notice_without_preemption"]
+    assert d["nodes"] == ["n0", "n1"] and len(be.groups) == 2
 
 
 def test_a_pool_notice_with_time_to_spare_trains_on_until_its_margin():
