@@ -21,6 +21,7 @@ states and finished slices through the c10d Store (:mod:`cfdist.checkpoint.agree
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import json
 import logging
@@ -54,6 +55,8 @@ HISTORY = "history.json"
 
 _LIVE_SETTLE_S = 2.0
 """How long ``save_live`` gives a checkpoint in flight to commit before writing the live state."""
+_LIVE_PEER_S = 0.2
+"""... and how long one that waits for other ranks (after the group failed) before it is given up."""
 
 
 def _default_policy():
@@ -554,15 +557,29 @@ class Checkpointer:
 
     def _settle_inflight(self, deadline: float) -> None:
         """Give the snapshot copy and the persists in flight until ``deadline`` to finish,
-        and collect them (a peer's death may have left one waiting for it: not past the
-        deadline)."""
+        and collect them. A persist still waiting for other ranks (their RNG states, their
+        slices) after ``_LIVE_PEER_S`` is given up: the group failed, the rank it waits for may
+        be dead, and the live state replaces it (a live peer sends its part as it finishes its
+        step, long before its collective fails)."""
         fut = self._snap_host_future
         try:
             if fut is not None:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
             self._try_submit()
+            peers_by = min(deadline, time.monotonic() + _LIVE_PEER_S)
             for p, _ in list(self._inflight):
-                p.wait(max(0.0, deadline - time.monotonic()))
+                try:
+                    p.wait(max(0.0, peers_by - time.monotonic()))
+                except cf.TimeoutError:
+                    if p.waits_for_peers and p.abandon():
+                        log.info("rank %d: the persist of step %d still waited for other ranks (%s) %.1f s after "
+                                 "the group failed: given up for the live state", self.rank, p.step, p.stage,
+                                 _LIVE_PEER_S)
+                except Exception:  # noqa: BLE001 - its own error, recorded by _harvest
+                    pass
+            for p, _ in list(self._inflight):
+                if not p.done():   # an ended one's error is _harvest's
+                    p.wait(max(0.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - that persist's own error is recorded by _harvest
             log.info("rank %d: a checkpoint in flight did not finish before the live save (%s)", self.rank,
                      type(e).__name__)

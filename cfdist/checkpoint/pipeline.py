@@ -51,6 +51,14 @@ class PersistHandle:
         self._started: float | None = None
         self._inner = None   # the backend's pending write running now
         self._lock = threading.Lock()
+        self.stage = "queued"
+        """Where it is: ``queued``, ``rng`` / ``slice`` (waiting for other ranks), ``write``."""
+
+    @property
+    def waits_for_peers(self) -> bool:
+        """Whether it waits for other ranks now (their RNG states, their slices): after the
+        group failed, those may never come."""
+        return self.stage in ("rng", "slice")
 
     @property
     def submitted(self) -> float:
@@ -157,9 +165,11 @@ class PersistPipeline:
             if self.slices is None or self.slices.index == 0:
                 h._started = time.monotonic()
             if self.rng is not None:
+                h.stage = "rng"
                 rngs = self.rng.collect(job.step, job.manifest["rng"], interrupt=h.check)
                 job.manifest["rngs"], job.manifest["rng"] = rngs, rngs[0]
             if self.slices is not None:
+                h.stage = "slice"
                 # the other writers' timeouts count from writer 0's go: before it, writer 0's
                 # own timeout (and its writer's start) is what runs
                 info = self.slices.run(job, lambda j: self._write(j, h), h.fate, h.check,
@@ -183,6 +193,7 @@ class PersistPipeline:
         p = self.backend.submit(job)
         with h._lock:
             h._inner = p
+        before, h.stage = h.stage, "write"
         try:
             while not p.done():
                 if h.abandoned():
@@ -194,6 +205,7 @@ class PersistPipeline:
                     pass
             return p.wait()
         finally:
+            h.stage = "slice" if before == "slice" else "write"   # a slice's own part written: the others' next
             with h._lock:
                 h._inner = None
 
