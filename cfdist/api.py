@@ -124,7 +124,7 @@ def _run(config: FitConfig, local, train_loop, policy, preemption, total_steps, 
         config = dataclasses.replace(
             config, log_dir=os.path.join(os.path.dirname(os.path.abspath(path)), f"logs-{run_id[-8:]}"))
     events = EventLog(path)
-    backend = None
+    backend = injector = None
     try:
         if local is not None:
             _say(events, "cluster", f"no RAY_ADDRESS: started {local.num_nodes} simulated Ray node(s) on this "
@@ -132,7 +132,6 @@ def _run(config: FitConfig, local, train_loop, policy, preemption, total_steps, 
                  simulated=True, nodes=local.num_nodes, cpus_per_node=local.cpus_per_node,
                  storage=list(config.storage))
         backend = RayBackend(config, run_id=run_id, train_fn=train_loop, policy=policy)
-        injector = None
         if preemption is not None:
             injector = FailureInjector(preemption, num_nodes=config.num_nodes, backend=backend,
                                        remove_node=remove_node, add_node=add_node)
@@ -143,9 +142,13 @@ def _run(config: FitConfig, local, train_loop, policy, preemption, total_steps, 
             log.warning("injected failure not executed: %s", r.get("reason"))
         return result
     finally:
-        if backend is not None:
-            backend.close()
-        events.close()
+        try:
+            if injector is not None:
+                injector.close()   # nodes still joining are waited for
+        finally:
+            if backend is not None:
+                backend.close()
+            events.close()
 
 
 def _say(events, event: str, text: str, **fields) -> None:

@@ -121,7 +121,7 @@ class Controller:
         chosen = self._pick_nodes(nodes, size.num_nodes)
         self.decide("group_size", size.reason, nodes=[n.name for n in chosen])
         try:
-            holdings = self.backend.holdings()
+            holdings = self.backend.holdings(newest=self.step_now if self._recovery is not None else None)
         except Exception as e:  # noqa: BLE001 - a node's holdings unknown (its actor is starting):
             # choosing without them could restart from scratch over its newer checkpoints
             return self._try_again(st, "holdings_failed", "asking the nodes what they hold", "asking again",
@@ -194,9 +194,10 @@ class Controller:
         return RunningState(group)
 
     def _pick_nodes(self, nodes, n):
-        """Nodes of the previous group first (their memory tiers are warm), in their order."""
+        """Nodes of the previous group first (their memory tiers are warm), in their order; then
+        those whose checkpoint actor is up before those where it is still starting."""
         prev = {nid: i for i, nid in enumerate(self._last_nodes)}
-        return sorted(nodes, key=lambda x: (prev.get(x.node_id, len(prev)),))[:n]
+        return sorted(nodes, key=lambda x: (prev.get(x.node_id, len(prev)), x.starting))[:n]
 
     # ---- RUNNING ------------------------------------------------------------------------------
     def _run(self, st: RunningState) -> ControllerState:

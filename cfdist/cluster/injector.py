@@ -19,8 +19,10 @@ failures at different points of training on a loaded machine than on an idle one
   spare rank processes and the standby checkpoint actor, which hold no state of the run, stay:
   they stand for the replacement node's processes, started ahead). A slot that
   is already down (preempted, not returned) is not preempted again.
-* ``return`` (node slot n): ``add_node(slot)`` when given (a fresh node joins), else the node
-  drained for that slot becomes usable again. Only a slot that a preemption took down returns.
+* ``return`` (node slot n): ``add_node(slot)`` when given (a fresh node joins; the call runs on
+  a thread of its own, as a cloud's machine boots without holding up the job, and the node is
+  warmed at the first tick after it joined: ``node_joined``), else the node drained for that
+  slot becomes usable again. Only a slot that a preemption took down returns.
 
 Notices go to the controller (:meth:`Controller.on_notice`), which decides what the job does;
 the notices of one instant go together. When together with earlier ones they name every node of
@@ -41,6 +43,7 @@ controller's detection latency is measured (``detected`` - ``failure``).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import math
 import statistics
@@ -110,7 +113,8 @@ class StepSchedule:
 
 
 class FailureInjector:
-    """Drives one schedule. Driver process, controller thread only."""
+    """Drives one schedule. Driver process, controller thread only (``add_node`` runs on the
+    injector's own thread); :meth:`close` at the end of the run."""
 
     def __init__(self, schedule, *, num_nodes: int, backend, horizon_s: float = 6 * 3600.0,
                  remove_node: Callable[[str], None] | None = None,
@@ -138,6 +142,8 @@ class FailureInjector:
         self._held_returns: list = []
         self._pool_ids: dict[int, str] = {}  # event index -> node id, for preemptions of a pool notice
         self._pool_down: set[int] = set()    # node slots such a preemption took (their return needs no group)
+        self._ops = None                     # the thread add_node runs on (started at the first return)
+        self._joining: list = []             # (slot, since, future) of add_node calls in flight
         self.executed: list[dict] = []
 
     # ---- called by the controller ----------------------------------------------------------------
@@ -146,6 +152,8 @@ class FailureInjector:
         from cfdist.cluster.states import RunningState
 
         running = isinstance(controller.state, RunningState)
+        if self._joining:
+            self._joined(controller)
         if self.t0 is None:
             if not running or controller.step_now <= getattr(controller, "_attempt_base", -1):
                 return
@@ -196,6 +204,50 @@ class FailureInjector:
                                        reason="its preemption was skipped")
                 continue
             self._run_event(controller, e)
+
+    def _add(self, slot: int) -> None:
+        """``add_node(slot)`` on a thread of its own: a node takes seconds to start (its raylet
+        and agents; 2-4 s here), which on the controller's thread would hold up the detection
+        of and the recovery from every failure meanwhile (a cloud's new machine boots without
+        stopping the job). :meth:`_joined` warms it once it is up."""
+        if self._ops is None:
+            self._ops = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfdist-node-ops")
+        self._joining.append((slot, self.clock(), self._ops.submit(self.add_node, slot)))
+
+    def _joined(self, controller) -> None:
+        """The nodes whose ``add_node`` ended since the last tick: ``node_joined`` (with the
+        seconds it took), and their node actor and spare ranks start now, not at the next
+        failure; a failed one is ``injection_failed``."""
+        for item in [j for j in self._joining if j[2].done()]:
+            self._joining.remove(item)
+            slot, since, fut = item
+            err = fut.exception()
+            if err is not None:
+                log.warning("bringing node slot %d back failed: %s", slot, err)
+                controller.events.emit("injection_failed", kind="return", node=slot, error=str(err)[:200])
+                continue
+            controller.events.emit("node_joined", node=slot, join_s=round(self.clock() - since, 3))
+            warm = getattr(self.backend, "warm_spare_nodes", None)
+            if warm is not None:
+                warm()
+
+    def settle(self, timeout_s: float = 120.0) -> None:
+        """Wait until the nodes being brought back have joined (or failed to); raises
+        ``TimeoutError`` naming the slots still starting after ``timeout_s``."""
+        done, pending = cf.wait([f for _, _, f in self._joining], timeout=timeout_s)
+        if pending:
+            slots = [s for s, _, f in self._joining if f in pending]
+            raise TimeoutError(f"add_node for node slot(s) {slots} did not return within {timeout_s:.0f} s")
+
+    def close(self) -> None:
+        """At the end of the run: wait for the nodes still joining (a cluster closed under a
+        starting node leaves its processes behind), then stop the thread."""
+        try:
+            self.settle()
+        finally:
+            if self._ops is not None:
+                self._ops.shutdown(wait=False)
+                self._ops = None
 
     def _run_event(self, controller, e) -> None:
         try:
@@ -335,10 +387,7 @@ class FailureInjector:
                 return
             controller.events.emit("node_returned", node=e.node)
             if self.add_node is not None:
-                self.add_node(e.node)
-                warm = getattr(self.backend, "warm_spare_nodes", None)
-                if warm is not None:
-                    warm()   # node actor and spare ranks start on the new node now, not at the next failure
+                self._add(e.node)
             else:
                 self.backend.excluded.discard(node_id)
                 getattr(self.backend, "dead", set()).discard(node_id)

@@ -15,7 +15,7 @@ process and its children only): nothing else on the machine can submit work to i
 has nothing to warn about. Ray caches the auth mode and token in the process, past
 ``ray.shutdown()``; ``start`` and ``close`` refresh both, so clusters may follow one another in
 one process (``cfdist.fit`` called again and again), and a user's ``ray.init()`` after them. A lost node is declared dead after ~3 s of failed health checks.
-Call from the driver process, one thread::
+Call from the driver process, one thread (``add_node`` may also run on another one)::
 
     with LocalCluster(num_nodes=2) as lc:          # ray.init() done, torn down at exit
         cfdist.fit(..., remove_node=lc.remove_node, add_node=lc.add_node)
@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import uuid
 
 _OBJECT_STORE = 80 * 1024 * 1024
@@ -92,8 +93,8 @@ class LocalCluster:
     def add_node(self, slot: int | None = None) -> str:
         """Start a worker node with a fresh name (``slot`` is ignored: any slot fits); returns its id."""
         name = f"n{next(self._counter)}"
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node, labels={"cfdist-node": name},
-                                     object_store_memory=_OBJECT_STORE)
+        node = add_worker_node(self.cluster, num_cpus=self.cpus_per_node, labels={"cfdist-node": name},
+                               object_store_memory=_OBJECT_STORE)
         self.nodes[node.node_id] = node
         self.names[node.node_id] = name
         return node.node_id
@@ -154,6 +155,29 @@ def _refresh_ray_auth() -> None:
     except ImportError:   # a Ray without token authentication caches no token
         return
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+_ADD_LOCK = threading.Lock()
+
+
+def add_worker_node(cluster, **node_args):
+    """``cluster.add_node(**node_args)`` (a ``ray.cluster_utils.Cluster``) from any thread.
+
+    Starting a node takes seconds, so the failure injector brings nodes back on a thread of its
+    own. Ray's ``Node`` registers a SIGTERM handler and an atexit hook when it is to shut down
+    with this process, and Python lets only the main thread set signal handlers: off the main
+    thread the node starts without them (``Cluster._shutdown_at_exit``, Ray's own switch for
+    it). The cluster's ``shutdown()`` still stops it (``LocalCluster.close``); should this
+    process die first, its raylet exits once it loses the head node's GCS."""
+    if threading.current_thread() is threading.main_thread():
+        return cluster.add_node(**node_args)
+    with _ADD_LOCK:
+        saved = cluster._shutdown_at_exit
+        cluster._shutdown_at_exit = False
+        try:
+            return cluster.add_node(**node_args)
+        finally:
+            cluster._shutdown_at_exit = saved
 
 
 def kill_node(cluster, node) -> None:

@@ -8,7 +8,7 @@ its hostname. Call from the driver.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cfdist.cluster.config import NODE_PLACEHOLDER, FitConfig
 
@@ -27,6 +27,9 @@ class NodeInfo:
     gpus: float
     notices: str | None = None
     """Cloud whose preemption notices the node polls (label ``cfdist-notices``), or None."""
+    starting: bool = field(default=False, compare=False)
+    """Its checkpoint actor is still starting (a node that just joined): a group placed there
+    waits for it, so recovery picks ready nodes first."""
 
 
 def unreachable(endpoints: dict[str, tuple[str, int]], timeout_s: float = 0.5) -> set[str]:

@@ -10,6 +10,7 @@ Call from the driver, one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -69,7 +70,16 @@ class RayBackend:
         nodes = nodes_mod.usable_nodes(self.config, excluded=frozenset(self.excluded | self.dead))
         if self.config.local_tier:
             nodes_mod.check_distinct_storage(self.config, nodes)
-        return nodes
+        starting = self._starting(nodes)
+        return [dataclasses.replace(n, starting=True) if n.node_id in starting else n for n in nodes]
+
+    def _starting(self, nodes: list[NodeInfo]) -> set[str]:
+        """Ids of ``nodes`` whose checkpoint actor was started ahead and is not up yet."""
+        refs = {self._warming[n.node_id][1]: n.node_id for n in nodes if n.node_id in self._warming}
+        if not refs:
+            return set()
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        return set(refs.values()) - {refs[r] for r in ready}
 
     def _spawn(self, n: NodeInfo, *, standby: bool = False):
         actor = _RemoteNode.options(
@@ -318,8 +328,19 @@ class RayBackend:
         return out
 
     # ---- the controller's questions ----------------------------------------------------------------
-    def holdings(self) -> list[Holding]:
+    def holdings(self, newest: int | None = None) -> list[Holding]:
         usable = self.usable_nodes()
+        starting = [n for n in usable if n.starting]
+        if newest is not None and starting:
+            ready = [n for n in usable if not n.starting]
+            out = self._holdings(ready)
+            if any(max(h.memory + h.local + h.shared, default=-1) >= newest for h in out):
+                log.info("holdings: node(s) %s still starting their checkpoint actor are not waited for: the "
+                         "others hold step %d, the newest there is", [n.name for n in starting], newest)
+                return out
+        return self._holdings(usable)
+
+    def _holdings(self, usable: list[NodeInfo]) -> list[Holding]:
         try:
             # A node without an actor yet (a fresh driver re-running a run_name) may hold that
             # run's checkpoints on its local disk: its actor must be asked too.

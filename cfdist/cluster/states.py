@@ -115,8 +115,11 @@ class ClusterBackend(Protocol):
     def lost_nodes(self, nodes: list[NodeInfo]) -> set[str]:
         """Ids of ``nodes`` that are gone (asked after a failure)."""
 
-    def holdings(self) -> list[Holding]:
-        """Committed steps of every live node actor (after in-flight persists) and of shared storage."""
+    def holdings(self, newest: int | None = None) -> list[Holding]:
+        """Committed steps of every live node actor (after in-flight persists) and of shared
+        storage. ``newest``: the run's last completed step; nodes whose checkpoint actor is
+        still starting (``NodeInfo.starting``) are not waited for when the others hold it
+        (nothing can be newer)."""
 
     def stage(self, choice: RestoreChoice, nodes: list[NodeInfo]) -> dict:
         """Copy the chosen checkpoint to the nodes that lack it; returns ``{node_id: seconds}``."""

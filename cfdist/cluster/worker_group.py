@@ -122,7 +122,11 @@ class RayWorkerGroup:
         pending = [r for r in self._refs if r not in self._results and not any(e.rank == r for e in self._errors)]
         refs = [self._refs[r] for r in pending]
         if refs:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            # the first outcome ends the wait (a failure is seen at once, not at the poll's end)
+            ready, rest = ray.wait(refs, num_returns=1, timeout=timeout_s)
+            if ready and rest:
+                more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+                ready = ready + more
             self._collect(ready)
             if self._errors:
                 left = [self._refs[r] for r in pending if r not in self._results
@@ -198,14 +202,22 @@ class RayWorkerGroup:
         return self.nodes[rank // self.config.workers_per_node].node_id
 
     def _drain(self, rank: int) -> list[dict]:
+        if self._node_of(rank) in self._gone:   # its records went with the node; asking waits for Ray
+            return []
         try:
             return ray.get(self.workers[rank].drain.remote(), timeout=10)
         except (ray.exceptions.RayError, TimeoutError):
             return []
 
     def current_step(self) -> int | None:
-        """Newest step any live rank finished (asks every rank, 2 s at most)."""
-        refs = [wk.current_step.remote() for wk in self.workers]
+        """Newest step any live rank finished (asks every rank not known to have failed or to be
+        on a node found gone, 2 s at most: a rank of a lost node would not answer until Ray
+        declares its node dead)."""
+        failed = {e.rank for e in self._errors}
+        refs = [wk.current_step.remote() for r, wk in enumerate(self.workers)
+                if r not in failed and self._node_of(r) not in self._gone]
+        if not refs:
+            return None
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
         steps = []
         for ref in ready:

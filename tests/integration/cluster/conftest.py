@@ -21,7 +21,7 @@ import tempfile
 
 import pytest
 
-from cfdist.cluster.local_cluster import descendants as _descendants, kill_node
+from cfdist.cluster.local_cluster import add_worker_node, descendants as _descendants, kill_node
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -40,8 +40,8 @@ class FakeCluster:
     def add_node(self, cpus: int = 1) -> str:
         """Start a worker node with a fresh name; returns its node id."""
         name = f"n{next(self._counter)}"
-        node = self.cluster.add_node(num_cpus=cpus, labels={"cfdist-node": name},
-                                     object_store_memory=80 * 1024 * 1024)
+        node = add_worker_node(self.cluster, num_cpus=cpus, labels={"cfdist-node": name},
+                               object_store_memory=80 * 1024 * 1024)
         self.nodes[node.node_id] = node
         self.names[node.node_id] = name
         return node.node_id

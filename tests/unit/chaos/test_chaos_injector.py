@@ -205,6 +205,7 @@ def test_preempt_due_while_recovering_lands_when_the_next_group_runs(killed):
     assert removed == [] and len(ctl.events.of("injection_deferred")) == 1   # logged once
     ctl.state = RunningState(group)
     at(1.5)
+    inj.settle(10)                              # add_node runs on the injector's own thread
     assert removed == ["id1"] and added == [1]   # it landed, then its return came
     assert ctl.events.of("injection_skipped") == []
 
@@ -217,7 +218,58 @@ def test_remove_and_add_hooks_replace_the_node(killed):
     at(1.0)
     assert removed == ["id0"] and killed == [] and backend.excluded == set()
     at(2.0)
+    inj.settle(10)
     assert added == [0]
+
+
+def test_a_node_that_takes_seconds_to_start_does_not_hold_up_the_controller(killed):
+    """``add_node`` blocks (a raylet starting: seconds) until the test lets it return; the
+    controller's ticks go on meanwhile (a crash due then lands on time), and the first tick after
+    it returned logs ``node_joined`` and warms the node (actor, spare ranks)."""
+    import threading
+
+    release, entered, added = threading.Event(), threading.Event(), []
+
+    def slow_add(slot):
+        entered.set()
+        assert release.wait(30), "the test never released add_node"
+        added.append(slot)
+
+    inj, ctl, group, backend, at = _setup(
+        [FailureEvent(time_s=1.0, kind="preempt", node=1), FailureEvent(time_s=2.0, kind="return", node=1),
+         FailureEvent(time_s=3.0, kind="crash", rank=0, node=0)],
+        remove_node=lambda nid: None, add_node=slow_add)
+    warmed = []
+    backend.warm_spare_nodes = lambda: warmed.append(True)
+    at(1.0)
+    at(2.0)
+    assert entered.wait(10), "add_node was never called"
+    at(3.0)                                    # add_node still blocked: the tick returned anyway
+    assert group.crashed == [0] and added == [] and ctl.events.of("node_joined") == []
+    release.set()
+    inj.settle(10)
+    assert added == [1] and warmed == []       # warmed on the controller's thread, at its next tick
+    at(3.1)
+    (joined,) = ctl.events.of("node_joined")
+    assert joined["node"] == 1 and warmed == [True]
+    inj.close()
+
+
+def test_a_failed_add_node_is_logged_as_an_injection_failure(killed):
+    def broken_add(slot):
+        raise RuntimeError("no capacity in the zone")
+
+    inj, ctl, group, backend, at = _setup(
+        [FailureEvent(time_s=1.0, kind="preempt", node=1), FailureEvent(time_s=2.0, kind="return", node=1)],
+        remove_node=lambda nid: None, add_node=broken_add)
+    at(1.0)
+    at(2.0)
+    inj.settle(10)
+    at(2.1)
+    (failed,) = ctl.events.of("injection_failed")
+    assert failed["kind"] == "return" and "no capacity in the zone" in failed["error"]
+    assert ctl.events.of("node_joined") == []
+    inj.close()
 
 
 @pytest.mark.parametrize("window, latencies, take, phrase", [

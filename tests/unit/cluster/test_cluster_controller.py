@@ -81,7 +81,7 @@ class FakeBackend:
     def lost_nodes(self, nodes):
         return {n.node_id for n in nodes} & self.lost
 
-    def holdings(self):
+    def holdings(self, newest=None):
         return list(self.holdings_now)
 
     def stage(self, choice, nodes):
@@ -187,6 +187,33 @@ def test_lost_node_without_spare_shrinks_the_group():
     assert ctl.result().world_sizes == (2, 1)
 
 
+def test_a_lost_node_is_replaced_by_a_ready_spare_before_one_still_starting_and_holdings_know_the_newest_step():
+    """Node 1 of the group is lost; two spares: n2's checkpoint actor is still starting (a node
+    that just joined), n3's is up. The new group is n0 + n3 (not n2, which would make the
+    group wait for its actor), and the holdings are asked knowing the run's newest step (7),
+    so a starting actor need not be waited for when the survivor holds it."""
+    import dataclasses
+
+    clock = Clock()
+    n3 = NodeInfo("node3" + "x" * 10, "n3", "127.0.0.1", 2, 0)
+    nodes = [N[0], N[1], dataclasses.replace(N[2], starting=True), n3]
+    be = FakeBackend(nodes, [
+        [GroupStatus(records=[step_rec(1001, 7)], errors=[RankError(0, N[0].node_id, False, "gloo: connection reset")])],
+        [GroupStatus(finished=True, results={0: {"final_step": 7}})],
+    ], holdings=[Holding(node_id=N[0].node_id, memory=(7,))])
+    asked = []
+    real = be.holdings
+    be.holdings = lambda newest=None: asked.append(newest) or real()
+    ctl, ev = make(be, clock)
+    ctl.step()                          # start on n0 + n1
+    assert [n.name for n in be.groups[0][0].nodes] == ["n0", "n1"]
+    be.lost.add(N[1].node_id)
+    drive(ctl)
+    assert isinstance(ctl.state, FinishedState)
+    assert [n.name for n in be.groups[1][0].nodes] == ["n0", "n3"]
+    assert asked == [None, 7]           # the fresh start knows no step; the recovery does
+
+
 def test_failures_beyond_max_failures_fail_the_run_with_the_reason():
     clock = Clock()
     boom = [GroupStatus(errors=[RankError(0, N[0].node_id, False, "ValueError: bad batch")])]
@@ -289,7 +316,7 @@ def test_unknown_holdings_are_asked_again_not_taken_for_an_empty_disk():
     answers = [RuntimeError("node actor still starting"), None]
     real = be.holdings
 
-    def holdings():
+    def holdings(newest=None):
         e = answers.pop(0) if answers else None
         if e is not None:
             raise e
@@ -302,7 +329,7 @@ def test_unknown_holdings_are_asked_again_not_taken_for_an_empty_disk():
     assert [d["what"] for d in ev.of("decision")].count("holdings_failed") == 1
 
     be2 = FakeBackend(N[:1], [])
-    be2.holdings = lambda: (_ for _ in ()).throw(RuntimeError("never answers"))
+    be2.holdings = lambda newest=None: (_ for _ in ()).throw(RuntimeError("never answers"))
     ctl2, _ = make(be2, clock, num_nodes=1)
     drive(ctl2)
     assert isinstance(ctl2.state, FailedState) and "never answers" in str(ctl2.state.error)

@@ -107,6 +107,7 @@ def test_preempt_uses_the_callbacks_when_given():
     ctl.step_now = 1
     inj.tick(ctl)
     inj.tick(ctl)
+    inj.settle(10)
     assert removed == ["id0"] and added == [0]
 
 
