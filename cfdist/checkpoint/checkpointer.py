@@ -1018,8 +1018,8 @@ class Checkpointer:
 def _drop_reuse_pools(storages) -> None:
     """Delete the roots' pools of retired checkpoint files (logged, never raised: the run's
     checkpoints are committed already; a pool left behind is emptied by the next start)."""
-    for st in storages:
+    for storage in storages:
         try:
-            st.drop_reuse_pool()
+            storage.drop_reuse_pool()
         except OSError as e:
-            log.warning("could not empty the reuse pool of %s: %s (the next start empties it)", st.url, e)
+            log.warning("could not empty the reuse pool of %s: %s (the next start empties it)", storage.url, e)

@@ -22,13 +22,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.cluster.exits import ends_process
 from cfdist.storage import open_storage
+from tests.distributed.ranks import run_ranks
 
 EVERY, DIES_AFTER = 4, 4
 
@@ -76,18 +76,8 @@ def test_a_live_save_gives_up_a_persist_waiting_for_a_dead_ranks_rng_and_writes_
     out = tmp_path / "out"
     out.mkdir()
     url = f"file://{tmp_path}/ckpt"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), url, str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not alive, f"ranks {alive} did not end within 180 s"
-    assert [p.exitcode for p in procs] == [0, 0]
+    codes = run_ranks(_worker, lambda r: (r, str(tmp_path / "store"), url, str(out)), 2, 180)
+    assert codes == [0, 0]
     res = json.loads((out / "rank0.json").read_text())
     assert res["failed_at"] == DIES_AFTER + 1, res
     assert res["saved"] == DIES_AFTER, res

@@ -27,13 +27,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.storage import open_storage
 from cfdist.testing import hang
+from tests.distributed.ranks import run_ranks
 
 COMBOS = [("node", 1, "thread", None), ("node", 2, "thread", None), ("all", 1, "thread", None),
           ("all", 2, "thread", None), ("all", 2, "process", None),
@@ -122,19 +122,9 @@ def _join_threads(name: str, timeout_s: float = 60.0) -> None:
 def test_a_hung_persist_is_given_up_on_every_rank_for_every_writers_and_buffers(tmp_path, world):
     out = tmp_path / "out"
     out.mkdir()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), str(tmp_path / "ckpt"), str(out)))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not alive, f"ranks {alive} did not finish within 300 s: a hung persist blocked training"
-    assert [p.exitcode for p in procs] == [0] * world
+    codes = run_ranks(_worker, lambda r: (r, world, str(tmp_path / "store"), str(tmp_path / "ckpt"), str(out)),
+                      world, 300)   # a rank still running then: a hung persist blocked training
+    assert codes == [0] * world
     res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for writers, buffers, backend, budget in COMBOS:
         combo = f"{writers}-{buffers}-{backend}-{budget}"
