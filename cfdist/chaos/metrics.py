@@ -191,6 +191,17 @@ class RunMetrics:
         """Most iterations lost in one interruption (0 without failures)."""
         return max(self.lost_iters, default=0)
 
+    def lost_by_kind(self) -> list[dict]:
+        """Lost work per interruption by what failed and where the run resumed from: one row per
+        ``(kind, tier)`` (``tier``: the restore's source, e.g. ``memory``/``peer`` for the
+        survivors' live state, ``local``/``shared`` when no replica survived), with
+        ``failures``, ``lost_iters_mean`` and ``lost_iters_max``; in order of first occurrence."""
+        rows: dict[tuple, list[int]] = {}
+        for f in self.failures:
+            rows.setdefault((f.kind, f.tier), []).append(f.lost_iters)
+        return [{"kind": k, "tier": t, "failures": len(v), "lost_iters_mean": statistics.fmean(v),
+                 "lost_iters_max": max(v)} for (k, t), v in rows.items()]
+
     @property
     def recovery_s_mean(self) -> float:
         """Mean recovery time per interruption (0 without failures)."""

@@ -5,8 +5,9 @@ simulator's prediction of it; :func:`write_report` writes the three kinds of out
 from the files it writes (matplotlib is imported only to draw).
 
 The markdown has the shape of CheckFreq's (FAST'21) tables at small scale: one end-to-end table
-(goodput measured and simulated, lost work per failure) and one recovery-time table that splits
-each failure's recovery into detect, wait, restart, restore and catch-up.
+(goodput measured and simulated, lost work per failure), one recovery-time table that splits
+each failure's recovery into detect, wait, restart, restore and catch-up, and the lost work per
+failure by kind and by where the run resumed from.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def run_dict(r: PolicyRun) -> dict:
         "cross_predicted_goodput": _round(x.goodput), "cross_relative_error": _round(x.relative_error),
         "costs": {k: _round(v, 5) for k, v in dataclasses.asdict(r.costs).items()},
         "failures": len(m.failures), "lost_iters_mean": _round(m.lost_iters_mean, 2), "lost_iters_max": m.lost_iters_max,
+        "lost_by_kind": [{**row, "lost_iters_mean": _round(row["lost_iters_mean"], 2)} for row in m.lost_by_kind()],
         "recovery_s_mean": _round(m.recovery_s_mean, 3),
         "phase_means_s": {k: _round(v, 3) for k, v in m.phase_means().items()},
         "wasted_worker_s": _round(m.wasted_worker_s, 2),
@@ -172,6 +174,18 @@ def markdown(res: ExperimentResult) -> str:
         ph = r.measured.phase_means()
         lines.append(f"| {r.policy} | " + " | ".join(f"{ph[p]:.2f}" for p in PHASES)
                      + f" | {r.measured.recovery_s_mean:.2f} |")
+    lines += [
+        "",
+        "Lost work per failure by kind and by where the run resumed from (memory / peer: the "
+        "survivors' live state or a node's copy; local / shared: no replica survived):",
+        "",
+        "| policy | kind | resumed from | failures | lost it. mean (max) |",
+        "|---|---|---|---:|---:|",
+    ]
+    for r in res.runs:
+        for row in r.measured.lost_by_kind():
+            lines.append(f"| {r.policy} | {row['kind']} | {row['tier'] or '-'} | {row['failures']} | "
+                         f"{row['lost_iters_mean']:.1f} ({row['lost_iters_max']}) |")
     s = res.cost_sample
     lines += [
         "",

@@ -144,6 +144,9 @@ def test_report_writes_json_tables_and_figures(tmp_path):
     md = open(files["results.md"]).read()
     assert md == markdown(res)
     assert "| auto | 4 | 1 |" in md and "| every:5 | 5 | 1 |" in md and "| policy | detect | wait |" in md
+    assert run["lost_by_kind"] == [{"kind": "crash", "tier": "memory", "failures": 1, "lost_iters_mean": 1,
+                                    "lost_iters_max": 1}]
+    assert "| auto | crash | memory | 1 | 1.0 (1) |" in md and "| every:5 | crash | memory | 1 | 2.0 (2) |" in md
     for name in ("summary.png", "progress.png", "goodput.png", "lost_work.png", "recovery.png"):
         assert open(files[name], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 

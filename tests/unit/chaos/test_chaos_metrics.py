@@ -111,3 +111,19 @@ def test_unknown_events_pass_through_and_an_empty_log_is_refused():
     assert len(recs) == 2 and metrics_from_log(recs, iter_s=1.0).useful_iters == 1
     with pytest.raises(ValueError, match="empty"):
         metrics_from_log([])
+
+
+def test_lost_work_is_reported_per_kind_and_per_source_of_the_restore():
+    from cfdist.chaos.metrics import FailureRecord, RunMetrics
+
+    fails = (FailureRecord(time_s=1.0, kind="crash", step=12, restored_step=12, tier="memory"),
+             FailureRecord(time_s=2.0, kind="preempt", step=30, restored_step=29, tier="peer"),
+             FailureRecord(time_s=3.0, kind="preempt", step=47, restored_step=40, tier="local"),
+             FailureRecord(time_s=4.0, kind="crash", step=60, restored_step=59, tier="memory"),
+             FailureRecord(time_s=5.0, kind="preempt", step=77, restored_step=70, tier="local"))
+    m = RunMetrics(label="x", wall_s=10.0, iter_s=0.1, workers=2, useful_iters=80, failures=fails)
+    assert m.lost_by_kind() == [
+        {"kind": "crash", "tier": "memory", "failures": 2, "lost_iters_mean": 0.5, "lost_iters_max": 1},
+        {"kind": "preempt", "tier": "peer", "failures": 1, "lost_iters_mean": 1.0, "lost_iters_max": 1},
+        {"kind": "preempt", "tier": "local", "failures": 2, "lost_iters_mean": 7.0, "lost_iters_max": 7}]
+    assert RunMetrics(label="y", wall_s=1.0, iter_s=0.1, workers=1, useful_iters=10).lost_by_kind() == []
