@@ -142,6 +142,7 @@ class FailureInjector:
         self._held_returns: list = []
         self._pool_ids: dict[int, str] = {}  # event index -> node id, for preemptions of a pool notice
         self._pool_down: set[int] = set()    # node slots such a preemption took (their return needs no group)
+        self._taken: set[str] = set()        # node ids a preemption took (a drained one returns under its id)
         self._ops = None                     # the thread add_node runs on (started at the first return)
         self._joining: list = []             # (slot, since, future) of add_node calls in flight
         self.executed: list[dict] = []
@@ -320,6 +321,7 @@ class FailureInjector:
         logged the failure already (``notice_commit``), so this drains or removes the node,
         whatever the job is doing, and logs ``node_taken``."""
         e, node_id = self.events[i], self._pool_ids.pop(i)
+        self._taken.add(node_id)
         self._down[e.node] = node_id
         self._pool_down.add(e.node)
         if self.remove_node is not None:
@@ -372,7 +374,14 @@ class FailureInjector:
                                        reason=f"retargeted node slot {slot} already down")
                 return
             node = nodes[slot]
+            if node.node_id in self._taken:   # the group still lists it: its failure is not recovered yet
+                controller.events.emit("injection_skipped", kind="preempt", node=e.node,
+                                       reason=f"node slot {slot}'s node was taken already; the group that "
+                                              f"still lists it has not been replaced yet")
+                self._skipped_preempts.add(e.node)
+                return
             self._failed(controller, kind="preempt", node=slot, notice_s=e.notice_s)
+            self._taken.add(node.node_id)
             self._down[e.node] = node.node_id
             if self.remove_node is not None:
                 self.remove_node(node.node_id)
@@ -389,6 +398,7 @@ class FailureInjector:
             if self.add_node is not None:
                 self._add(e.node)
             else:
+                self._taken.discard(node_id)   # the drained node itself comes back
                 self.backend.excluded.discard(node_id)
                 getattr(self.backend, "dead", set()).discard(node_id)
         self.executed.append({"t": self.clock(), "kind": e.kind, "node": e.node, "rank": e.rank})

@@ -255,6 +255,24 @@ def test_a_node_that_takes_seconds_to_start_does_not_hold_up_the_controller(kill
     inj.close()
 
 
+def test_a_node_taken_already_is_not_taken_again_while_the_group_still_lists_it(killed):
+    """Node slot 1 is preempted and returns at once; the next preemption of slot 1 comes before
+    the controller replaced the group, which still lists the node taken: skipped with the
+    reason (it would remove a node that is gone), and so is the return that follows it."""
+    removed = []
+    inj, ctl, group, backend, at = _setup(
+        [FailureEvent(time_s=1.0, kind="preempt", node=1), FailureEvent(time_s=1.5, kind="return", node=1),
+         FailureEvent(time_s=2.0, kind="preempt", node=1), FailureEvent(time_s=2.5, kind="return", node=1)],
+        remove_node=removed.append, add_node=lambda slot: None)
+    for t in (1.0, 1.5, 2.0, 2.5):
+        at(t)
+    inj.close()
+    assert removed == ["id1"] and len(ctl.events.of("failure")) == 1
+    skipped = ctl.events.of("injection_skipped")
+    assert [r["kind"] for r in skipped] == ["preempt", "return"]
+    assert "was taken already" in skipped[0]["reason"]
+
+
 def test_a_failed_add_node_is_logged_as_an_injection_failure(killed):
     def broken_add(slot):
         raise RuntimeError("no capacity in the zone")
