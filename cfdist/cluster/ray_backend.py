@@ -35,7 +35,12 @@ _RemoteNode = ray.remote(NodeCheckpointer)
 
 class NodeLost(RuntimeError):
     """A node chosen for the group turned out to be gone; recovery picks nodes again."""
+
+
 _CALL_S = 60.0
+_DRAIN_S = 1.0
+"""How long a poll waits for the node actors' commit records (they answer in milliseconds; one
+of a node just lost answers only once Ray's health checks fail)."""
 
 
 class RayBackend:
@@ -55,6 +60,7 @@ class RayBackend:
         self.actors: dict[str, object] = {}
         self.tiers: dict[str, dict] = {}
         self._warming: dict[str, tuple] = {}   # node id -> (actor, ready ref): spares, started ahead
+        self._draining: dict[str, tuple] = {}  # node id -> (actor, drain_events ref) not answered yet
         self._standby: dict[str, object] = {}  # node id -> a standby NodeCheckpointer (no tier opened)
         self._spares: dict[str, list[tuple]] = {}   # node id -> [(rank actor, warm ref)]: warm spare ranks
         self._spare_pids: dict[object, int] = {}
@@ -428,12 +434,35 @@ class RayBackend:
         self.warm_spare_nodes()
 
     def drain_commits(self) -> list[dict]:
+        """Commit records of the node actors since the previous call. An actor that does not
+        answer within ``_DRAIN_S`` (its node was just lost, and Ray answers for it only once its
+        health checks fail: seconds) is not waited for: its answer is read at a later call, so
+        a poll never stalls on a dead node before the group's own errors show it."""
         out = []
         # not the actors of a node the group found gone: a call to one waits for Ray to give up
         gone = getattr(self.group, "_gone", set()) if self.group is not None else set()
-        for evs in self._ask_all("drain_events", timeout=10, skip=frozenset(gone)).values():
+        for nid, actor in self.actors.items():
+            if nid not in gone and nid not in self._draining:
+                self._draining[nid] = (actor, actor.drain_events.remote())
+        asked = {nid: a_ref for nid, a_ref in self._draining.items() if nid not in gone}
+        ready, _ = ray.wait([ref for _, ref in asked.values()], num_returns=len(asked), timeout=_DRAIN_S)
+        ready = set(ready)
+        for nid, (actor, ref) in asked.items():
+            if ref not in ready:
+                continue
+            del self._draining[nid]
+            try:
+                evs = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+                log.warning("node actor %s is gone (%s)", nid[:8], type(e).__name__)
+                if self.actors.get(nid) is actor:   # not a successor started since
+                    self._actor_died.add(nid)
+                    self._forget(nid)
+                continue
             out += [e for e in evs if e["event"] == "checkpoint_committed"]
             self._notices += [e for e in evs if e["event"] == "preemption_notice"]
+        for nid in [n for n, (a, _) in self._draining.items() if self.actors.get(n) is not a]:
+            del self._draining[nid]   # the actor was replaced or forgotten: its answer no longer counts
         return sorted(out, key=lambda e: e["t"])
 
     def drain_notices(self) -> list[dict]:
