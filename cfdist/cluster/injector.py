@@ -195,14 +195,16 @@ class FailureInjector:
                     if e.kind == "preempt":
                         self._skipped_preempts.add(e.node)
                 continue
-            if e.kind == "return" and self._held is not None and self._held.kind == "preempt" \
-                    and self._held.node == e.node:
-                self._held_returns.append(e)   # after the held preemption
-                continue
+            # A slot's preemptions and returns alternate: a return after a skipped preemption of
+            # its slot is that one's (skipped too), even while an earlier one of the slot is held.
             if e.kind == "return" and e.node in self._skipped_preempts:
                 self._skipped_preempts.discard(e.node)
                 controller.events.emit("injection_skipped", kind="return", node=e.node,
                                        reason="its preemption was skipped")
+                continue
+            if e.kind == "return" and self._held is not None and self._held.kind == "preempt" \
+                    and self._held.node == e.node:
+                self._held_returns.append(e)   # after the held preemption
                 continue
             self._run_event(controller, e)
 

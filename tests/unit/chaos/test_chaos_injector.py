@@ -273,6 +273,30 @@ def test_a_node_taken_already_is_not_taken_again_while_the_group_still_lists_it(
     assert "was taken already" in skipped[0]["reason"]
 
 
+def test_the_return_of_a_skipped_preemption_is_skipped_even_while_an_earlier_one_of_its_slot_is_held(killed):
+    """While recovering: slot 0's preemption P1 is held, its return R1 waits for it; P2 (same
+    slot) is skipped (one is held already), so its return R2 is skipped as well, and is not
+    taken for a second return of P1. A later preemption P3 of slot 0 then gets its own return
+    (the run used to lose the slot for good: R3 was eaten as P2's)."""
+    removed = []
+    inj, ctl, group, backend, at = _setup(
+        [FailureEvent(time_s=1.0, kind="preempt", node=0), FailureEvent(time_s=1.0, kind="return", node=0),
+         FailureEvent(time_s=2.0, kind="preempt", node=0), FailureEvent(time_s=2.0, kind="return", node=0),
+         FailureEvent(time_s=5.0, kind="preempt", node=0), FailureEvent(time_s=5.0, kind="return", node=0)])
+    ctl.state = RecoveringState()
+    at(1.0)
+    at(2.0)
+    ctl.state = RunningState(group)
+    at(3.0)                                         # the held P1 lands, then R1
+    assert len(ctl.events.of("failure")) == 1 and len(ctl.events.of("node_returned")) == 1
+    skipped = ctl.events.of("injection_skipped")
+    assert [(r["kind"], r["reason"]) for r in skipped] == [
+        ("preempt", skipped[0]["reason"]), ("return", "its preemption was skipped")]
+    at(5.0)                                         # P3 and its own return
+    assert len(ctl.events.of("failure")) == 2 and len(ctl.events.of("node_returned")) == 2
+    assert backend.excluded == set()
+
+
 def test_a_failed_add_node_is_logged_as_an_injection_failure(killed):
     def broken_add(slot):
         raise RuntimeError("no capacity in the zone")
