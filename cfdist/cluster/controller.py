@@ -113,6 +113,12 @@ class Controller:
         if self._pool is not None and not self._pool_gone(st):
             return st
         nodes = self.backend.usable_nodes()
+        joining = getattr(self.injector, "joining", 0)
+        if joining and len(nodes) < self.config.num_nodes:
+            # the failure injector is bringing nodes back (seconds): wait for them, as the same
+            # injection did when it blocked, rather than shrink the group and grow it again
+            return self._wait_for_nodes(st, f"{joining} node(s) joining; {len(nodes)} usable < "
+                                            f"num_nodes={self.config.num_nodes}", len(nodes))
         size = self.scaling.size_for(len(nodes))
         if size.num_nodes is None:
             return self._wait_for_nodes(st, size.reason, len(nodes))

@@ -234,6 +234,11 @@ class FailureInjector:
             if warm is not None:
                 warm()
 
+    @property
+    def joining(self) -> int:
+        """Nodes being brought back now (``add_node`` calls in flight)."""
+        return len(self._joining)
+
     def settle(self, timeout_s: float = 120.0) -> None:
         """Wait until the nodes being brought back have joined (or failed to); raises
         ``TimeoutError`` naming the slots still starting after ``timeout_s``."""

@@ -214,6 +214,44 @@ def test_a_lost_node_is_replaced_by_a_ready_spare_before_one_still_starting_and_
     assert asked == [None, 7]           # the fresh start knows no step; the recovery does
 
 
+def test_recovery_waits_for_a_node_the_injector_is_bringing_back_instead_of_shrinking():
+    """A 2-node run, node 1 lost; the failure injector's add_node for its return is still
+    running (seconds): recovery waits (``wait_for_nodes``) instead of shrinking to one node,
+    and starts the 2-node group once the node joined."""
+    clock = Clock()
+    be = FakeBackend(N[:2], [
+        [GroupStatus(records=[step_rec(1001, 7)], errors=[RankError(0, N[0].node_id, False, "gloo: connection reset")])],
+        [GroupStatus(finished=True, results={0: {"final_step": 7}})],
+    ], holdings=[Holding(node_id=N[0].node_id, memory=(7,))])
+
+    class Injector:
+        joining = 0
+
+        def tick(self, ctl):
+            pass
+
+        def claim(self, kind=None):
+            return None
+
+    inj = Injector()
+    ctl, ev = make(be, clock)
+    ctl.injector = inj
+    ctl.step()                          # start on n0 + n1
+    be.lost.add(N[1].node_id)
+    inj.joining = 1                     # its replacement is starting
+    ctl.step()                          # the failure
+    ctl.step()
+    ctl.step()
+    assert isinstance(ctl.state, RecoveringState) and len(be.groups) == 1
+    (wait,) = [d for d in ev.of("decision") if d["what"] == "wait_for_nodes"]
+    assert "1 node(s) joining" in wait["reason"]
+    be.nodes.append(N[2])               # it joined
+    inj.joining = 0
+    drive(ctl)
+    assert isinstance(ctl.state, FinishedState)
+    assert [len(g.nodes) for g, _ in be.groups] == [2, 2]
+
+
 def test_failures_beyond_max_failures_fail_the_run_with_the_reason():
     clock = Clock()
     boom = [GroupStatus(errors=[RankError(0, N[0].node_id, False, "ValueError: bad batch")])]
