@@ -44,7 +44,7 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
                hold_small: tuple[int, int, str] | None = None, freeze_at: tuple[int, int] | None = None,
                ckpt_kwargs: dict | None = None, hold_end: str | None = None,
                spin_at: tuple[int, int] | None = None, die_on_notice: tuple[int, int] | None = None,
-               hold_for_halt: tuple[int, str] | None = None):
+               hold_for_halt: tuple[int, str] | None = None, kill_in: tuple[int, int, str] | None = None):
     """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state.
 
     ``freeze_at=(rank, step)``: in the first attempt, that rank's process SIGSTOPs itself right
@@ -62,6 +62,12 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
     checkpoint then waits for rank 1's RNG states of the last step): an injected failure of
     rank 1 lands at rank 0's very end.
 
+    ``kill_in=(rank, step, phase)``: in the first attempt, that rank SIGKILLs itself during that
+    step, in ``phase``: ``"forward"`` (the model's forward), ``"backward"`` (the weight's gradient
+    hook, before its bucket's all-reduce can start), ``"allreduce"`` (DDP's comm hook, right after
+    it launched its all-reduce) or ``"optimizer"`` (inside ``optimizer.step()``: the rank's
+    weight half updated, the rest not).
+
     ``hold_small=(world_size, step, event_log)``: a group of that world size does not train past
     ``step`` until the driver logged its decision to grow (a node that returns takes seconds to
     start; without the hold, a slow machine ends the run before the group can grow)."""
@@ -75,6 +81,11 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
     ckpt = ctx.checkpointer({"model": model, "optim": opt, "data": loader}, policy=cfdist.Every(every),
                             **(ckpt_kwargs or {}))
     ckpt.restore()
+    doing = {"step": 0}   # the step in progress
+    if kill_in is not None and ctx.attempt == 0 and ctx.rank == kill_in[0]:
+        _arm_kill(model, opt, kill_in[2], lambda: doing["step"] == kill_in[1])
+    elif kill_in is not None and kill_in[2] == "allreduce":
+        model.register_comm_hook(None, _allreduce_hook(None))   # every rank runs the same hook
     log = open(os.path.join(out_dir, f"a{ctx.attempt}-r{ctx.rank}.jsonl"), "a")
     log.write(json.dumps({"restored": ckpt.step_count, "world_size": ctx.world_size}) + "\n")
     while ckpt.step_count < steps:
@@ -84,6 +95,7 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
             log.write(json.dumps({"fetched": ckpt.step_count + 1, "epoch": loader.epoch, "ids": idx.tolist(),
                                   "pad": loader.last_batch_is_padding}) + "\n")
             log.flush()
+            doing["step"] = ckpt.step_count + 1
             torch.nn.functional.mse_loss(model(x), y).backward()
             ckpt.step(opt)
             opt.zero_grad()
@@ -110,6 +122,49 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
         _wait_for_decision(hold_end, "", event="failure")
     log.close()
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)   # SIGKILL is delivered before this returns
+
+
+def _allreduce_hook(armed):
+    """DDP's all-reduce as a comm hook (``default_hooks.allreduce_hook``'s arithmetic: divide,
+    then sum; exact for 2 ranks, so runs with and without it agree bit for bit); with ``armed``,
+    the rank dies right after launching the all-reduce of an armed step."""
+    import torch.distributed as dist
+
+    def hook(state, bucket):
+        tensor = bucket.buffer().div_(dist.get_world_size())
+        fut = dist.all_reduce(tensor, async_op=True).get_future()
+        if armed is not None and armed():
+            _die()
+        return fut.then(lambda f: f.value()[0])
+    return hook
+
+
+def _arm_kill(model, opt, phase: str, armed) -> None:
+    """Make this rank SIGKILL itself in ``phase`` of the step for which ``armed()`` is true."""
+    if phase == "forward":
+        model.module.register_forward_hook(lambda *a: _die() if armed() else None)
+    elif phase == "backward":
+        model.module.weight.register_hook(lambda grad: _die() if armed() else None)
+    elif phase == "allreduce":
+        model.register_comm_hook(None, _allreduce_hook(armed))
+    elif phase == "optimizer":
+        step = opt.step
+
+        def torn_step(*args, **kwargs):
+            if armed():
+                with torch.no_grad():
+                    w = model.module.weight
+                    w[: w.shape[0] // 2].add_(w.grad[: w.shape[0] // 2], alpha=-0.05)   # half an update
+                _die()
+            return step(*args, **kwargs)
+        opt.step = torn_step
+    else:
+        raise ValueError(f"kill_in: unknown phase {phase!r}")
 
 
 def _wait_for_decision(event_log: str, what: str, timeout_s: float = 180.0, event: str = "decision") -> None:

@@ -45,13 +45,13 @@ EVERY = 4
 
 def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, hold_small=None,
          freeze_at=None, ckpt_kwargs=None, workers_per_node=1, hold_end=False, spin_at=None, die_on_notice=None,
-         hold_for_halt=None, **kw):
+         hold_for_halt=None, kill_in=None, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s,
                              hold_small=hold_small, freeze_at=freeze_at, ckpt_kwargs=ckpt_kwargs,
                              hold_end=str(tmp / f"{name}.jsonl") if hold_end else None, spin_at=spin_at,
-                             die_on_notice=die_on_notice,
+                             die_on_notice=die_on_notice, kill_in=kill_in,
                              hold_for_halt=(hold_for_halt, str(tmp / f"{name}.jsonl")) if hold_for_halt else None)
     result = fit(loop,
                  num_nodes=num_nodes, workers_per_node=workers_per_node, storage=f"file://{tmp}/{{node}}/local",
@@ -133,6 +133,32 @@ def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp
     # each node's writer persisted its own copy, every rank's RNG states in each
     manifests = glob.glob(f"{tmp_path}/*/local/**/step-{STEPS:09d}/MANIFEST.json", recursive=True)
     assert len(manifests) == 2 and all(len(json.load(open(m))["rngs"]) == 2 for m in manifests), manifests
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
+def test_a_rank_killed_in_each_phase_of_a_step_loses_at_most_that_step(fake_cluster, reference, tmp_path, phase):
+    """Rank 1 SIGKILLs itself inside step 10: in the forward, in the backward (before its
+    gradient bucket's all-reduce), right after launching the all-reduce, or inside the
+    optimizer step (its weight half updated). Rank 0 survives with the last step it completed:
+    9 when rank 1 died before its gradient was sent, 10 when the all-reduce had delivered it (in
+    the optimizer step always, in the all-reduce when the kill came late enough). That live
+    state is the restore point, 1 step lost at most; the dead rank's torn state is never read.
+    The run ends bit-identical to the failure-free one, data exactly once."""
+    fake_cluster.ensure_workers(2)
+    result, out = _fit(fake_cluster, tmp_path, phase, kill_in=(1, 10, phase))
+    assert result.failures == 1, result.failure_stats
+    (f,) = result.failure_stats
+    assert f.tier in ("memory", "peer"), f
+    if phase == "allreduce":
+        assert f.restored_step in (9, 10), f
+    elif phase == "optimizer":   # the all-reduce of step 10 was done: rank 0 completes it
+        assert f.restored_step == 10, f
+    else:   # rank 0 cannot complete step 10 without rank 1's gradient
+        assert f.restored_step == 9, f
+    assert f.lost_iterations <= 1, f
+    assert result.world_sizes == (2, 2) and result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
 
 
 def test_live_recovery_with_two_ranks_per_node_double_buffering_and_a_codec(fake_cluster, tmp_path):
