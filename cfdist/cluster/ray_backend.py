@@ -26,7 +26,7 @@ from cfdist.cluster.config import FitConfig
 from cfdist.cluster.decisions import Holding, RestoreChoice
 from cfdist.cluster.node_actor import NodeCheckpointer, memory_root
 from cfdist.cluster.nodes import NodeInfo
-from cfdist.cluster.worker_group import RayWorkerGroup, new_rank_actor
+from cfdist.cluster.worker_group import ACTOR_GONE, RayWorkerGroup, new_rank_actor
 
 log = logging.getLogger("cfdist.backend")
 
@@ -314,6 +314,16 @@ class RayBackend:
         except Exception:  # noqa: BLE001 - already gone with its node
             pass
 
+    def _actor_gone(self, nid: str, e: BaseException, actor=None) -> None:
+        """A call to node ``nid``'s actor failed because the actor died (crashed, or killed by
+        Ray's memory monitor): forget it, unless it is no longer the node's actor (``actor``, the
+        one called, was replaced since). Whether its node died too, :meth:`lost_nodes` finds out
+        (it tries a new actor there): an actor killed alone must not cost the run a healthy node."""
+        log.warning("node actor %s is gone (%s)", nid[:8], type(e).__name__)
+        if actor is None or self.actors.get(nid) is actor:
+            self._actor_died.add(nid)
+            self._forget(nid)
+
     def _ask_all(self, method: str, *args, timeout: float = _CALL_S, skip=frozenset(), **kwargs) -> dict[str, object]:
         """Call ``method`` on every known actor but those of the nodes in ``skip``; forget the
         ones that are gone."""
@@ -322,13 +332,8 @@ class RayBackend:
         for nid, ref in refs.items():
             try:
                 out[nid] = ray.get(ref, timeout=timeout)
-            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
-                # The actor died (crashed, or killed by Ray's memory monitor); whether its node did
-                # too, lost_nodes finds out (it tries a new actor there): an actor killed alone
-                # must not cost the run a healthy node.
-                log.warning("node actor %s is gone (%s)", nid[:8], type(e).__name__)
-                self._actor_died.add(nid)
-                self._forget(nid)
+            except ACTOR_GONE as e:
+                self._actor_gone(nid, e)
             except ray.exceptions.GetTimeoutError:
                 log.warning("node actor %s did not answer %s within %.0fs; ignoring it", nid[:8], method, timeout)
         return out
@@ -453,11 +458,8 @@ class RayBackend:
             del self._draining[nid]
             try:
                 evs = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
-                log.warning("node actor %s is gone (%s)", nid[:8], type(e).__name__)
-                if self.actors.get(nid) is actor:   # not a successor started since
-                    self._actor_died.add(nid)
-                    self._forget(nid)
+            except ACTOR_GONE as e:
+                self._actor_gone(nid, e, actor)
                 continue
             out += [e for e in evs if e["event"] == "checkpoint_committed"]
             self._notices += [e for e in evs if e["event"] == "preemption_notice"]

@@ -27,6 +27,10 @@ from cfdist.cluster.worker import RankWorker
 
 log = logging.getLogger("cfdist.group")
 
+ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
+"""What a call to an actor whose process is gone raises: it crashed, its node was lost, Ray's
+memory monitor killed it, or it was stopped as hung."""
+
 _RemoteWorker = ray.remote(RankWorker)
 _ASK_S = 0.2
 """Margin on top of :data:`_PEER_DIED_S` for a survivor's answer to travel back to the driver (a
@@ -191,7 +195,7 @@ class RayWorkerGroup:
             rank = by_ref[ref]
             try:
                 self._results[rank] = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+            except ACTOR_GONE as e:
                 # the process is gone (crashed, its node lost, killed by Ray's memory monitor, or
                 # stopped as hung)
                 self._errors.append(RankError(rank, self._node_of(rank), True, self._hung.get(rank) or _short(e)))
