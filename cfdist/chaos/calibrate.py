@@ -123,9 +123,14 @@ def measure_costs(windows: Sequence[list[dict]], metrics: Sequence[RunMetrics], 
                   fallback: Costs | None = None) -> tuple[Costs, CostSample]:
     """Simulator costs from training windows and their metrics (one run, or pooled over several).
 
-    - ``iter_s``: the mean of the step gaps outside checkpoints (a gap is inside one when it
-      starts between a checkpointed step and that checkpoint's commit); the median of all gaps
-      when every gap is inside one. The mean, not the median: the slow iterations of a shared
+    - ``iter_s``: the mean of the step gaps outside checkpoints; the median of all gaps when
+      every gap is inside one. A gap is inside a checkpoint when it ends at a checkpointed step
+      (``ckpt.step()`` takes the snapshot before the step is recorded: the gap carries the
+      snapshot) or starts between a checkpointed step and that checkpoint's commit (the gate
+      waits for the snapshot copy; the persist competes for the cores). Counted in ``iter_s``,
+      the snapshot's share would be charged per step instead of per checkpoint: a plan
+      calibrated at ``every:20`` would under-price ``every:5``'s checkpoints and over-price its
+      steps. The mean, not the median: the slow iterations of a shared
       machine are time the run spent, and the simulator must spend it too;
     - ``stall_s`` (To): the excess over ``iter_s`` of the gaps inside checkpoints, per
       checkpoint (it carries the stall and the contention a persist causes on shared cores,
@@ -156,8 +161,9 @@ def measure_costs(windows: Sequence[list[dict]], metrics: Sequence[RunMetrics], 
     for w in windows:
         commits = commit_spans(w)
         lat += [c - s for s, c in commits]
+        taken = {s for s, _ in commits}   # the step records of checkpointed steps
         for a, b in step_gap_spans(w):
-            (inside if any(s <= a < c for s, c in commits) else outside).append(b - a)
+            (inside if b in taken or any(s <= a < c for s, c in commits) else outside).append(b - a)
     if not inside and not outside:
         raise ValueError("no consecutive steps in any run: cannot measure the iteration time")
     iter_s = statistics.fmean(outside) if outside else statistics.median(inside)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 
 class Log:
-    """Writes a run: steps of ``ti`` seconds, a commit ``lat`` after every ``k``-th step."""
+    """Writes a run: steps of ``ti`` seconds, a commit ``lat`` after every ``k``-th step; a
+    checkpointed step's own gap takes ``snap_s`` longer (``ckpt.step()`` takes the snapshot
+    before the step is recorded)."""
 
-    def __init__(self, *, ti=0.1, k=5, lat=0.05, kval=None):
+    def __init__(self, *, ti=0.1, k=5, lat=0.05, kval=None, snap_s=0.0):
         self.t, self.step, self.ti, self.k, self.lat, self.kval = 0.0, 0, ti, k, lat, kval
+        self.snap_s = snap_s
         self.recs = [{"t": 0.0, "event": "start", "world_size": 2}]
         self.committed = 0
 
@@ -18,7 +21,8 @@ class Log:
     def run(self, n, *, extra_s=0.0):
         for _ in range(n):
             self.step += 1
-            self.at(self.ti + (extra_s if self.step % self.k == 1 and self.step > 1 else 0.0), "step",
+            self.at(self.ti + (extra_s if self.step % self.k == 1 and self.step > 1 else 0.0)
+                    + (self.snap_s if self.step % self.k == 0 else 0.0), "step",
                     step=self.step, **({"k": self.kval} if self.kval is not None else {}))
             if self.step % self.k == 0:
                 self.recs.append({"t": round(self.t + self.lat, 6), "event": "checkpoint_committed",

@@ -101,11 +101,31 @@ def test_stall_is_measured_at_the_checkpoints_and_slow_iterations_stay_in_iter_s
     window, _ = training_window(log.recs)
     m = window_metrics(window, iter_s=0.1, label="x")
     costs, sample = measure_costs([window], [m])
-    outside = [0.12] * 39 + [0.1] * 59
+    # the checkpoint's gaps: into step 50 (0.1 s) and 50 -> 51 (0.3 s); the other 97 are outside
+    outside = [0.12] * 39 + [0.1] * 58
     assert costs.iter_s == pytest.approx(sum(outside) / len(outside))
     assert sample.checkpoints == 1 and sample.gaps == 99
-    assert costs.stall_s == pytest.approx(0.3 - costs.iter_s)
+    assert costs.stall_s == pytest.approx(0.1 + 0.3 - 2 * costs.iter_s)
     assert sample.excess_s == pytest.approx(costs.stall_s)
+
+
+@pytest.mark.parametrize("k, checkpoints", [(5, 20), (20, 5)])
+def test_a_checkpoint_costs_the_same_measured_at_any_interval(k, checkpoints):
+    """Steps of 0.1 s; each checkpoint adds 0.02 s to its own step's gap (the snapshot, taken in
+    ``ckpt.step()`` before the step is recorded) and 0.03 s to the next (the gate, the persist
+    on the same cores), committed 0.05 s after its step. 101 steps: checkpoints at k..100, all
+    committed inside the window. Measured at k=5 or k=20, a checkpoint costs 0.05 s and a step
+    0.1 s. (With the gap into the checkpointed step counted as a step, k=5 measured 0.105 s and
+    0.025 s, k=20 0.10105 s and 0.0289 s: a plan calibrated at k=20 under-priced k=5's
+    checkpoints, and the planner's Auto chose k=9 instead of 15.)"""
+    log = _started(k=k, snap_s=0.02).run(101, extra_s=0.03)
+    window, _ = training_window(log.recs)
+    costs, sample = measure_costs([window], [window_metrics(window, iter_s=0.1, label="x")])
+    assert sample.checkpoints == checkpoints and sample.gaps == 100
+    assert costs.iter_s == pytest.approx(0.1)
+    # inside: 20 gaps of 0.12 and 20 of 0.13 at k=5 (5 and 5 at k=20), 0.05 over 0.1 per checkpoint
+    assert sample.excess_s == pytest.approx(checkpoints * 0.05)
+    assert costs.stall_s == pytest.approx(0.05) and costs.persist_s == pytest.approx(0.05)
 
 
 def test_a_start_from_scratch_and_a_restore_of_a_checkpoint_are_measured_apart():

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from cfdist.planner import Job, RateFailures, TraceFailures, load_prices, parse_prices, parse_skypilot, resolve_trace
+from cfdist.planner import Candidate, Job, RateFailures, TraceFailures, load_prices, parse_prices, parse_skypilot, resolve_trace
 from cfdist.planner.failures import skypilot_membership
+from cfdist.planner.model import candidate_costs
 from cfdist.planner.prices import example_prices_path
 
 GOOD = {"currency": "USD", "instances": {"a": {"on_demand_per_hour": 3.0, "spot_per_hour": 1.0}},
@@ -169,6 +170,27 @@ def test_job_from_event_log(tmp_path):
     assert j.stall_s == pytest.approx(0.2, abs=0.05)
     assert (j.ref_nodes, j.ranks_per_node, j.nodes) == (2, 2, (2,))
     assert j.detect_s == pytest.approx(2.0, rel=0.01) and j.restore_s == pytest.approx(4.0, rel=0.01)
+
+
+def test_the_plans_auto_sizes_its_interval_with_the_whole_cost_per_checkpoint(tmp_path):
+    """A 1-node run of 101 steps of 0.1 s, a checkpoint every 20 steps that adds 0.02 s to its
+    own step's gap (the snapshot) and 0.03 s to the next, committed 0.05 s after its step. The
+    job: step 0.1 s, 0.05 s per checkpoint, so the planner's Auto (CheckFreq's rule, budget
+    3.5%, as ``cfdist.Auto`` decides it): k = max(k_persist = ceil((0.05 - 0.05) / 0.1) -> 1,
+    k_budget = ceil(0.05 / (0.035 x 0.1)) = ceil(14.29) = 15) = 15."""
+    recs, t = [{"t": 0.0, "event": "start", "world_size": 1, "nodes": 1}, {"t": 0.1, "event": "restarted"}], 0.6
+    for step in range(1, 102):
+        t += 0.1 + (0.02 if step % 20 == 0 else 0.0) + (0.03 if step % 20 == 1 and step > 1 else 0.0)
+        recs.append({"t": round(t, 6), "event": "step", "step": step})
+        if step % 20 == 0:
+            recs.append({"t": round(t + 0.05, 6), "event": "checkpoint_committed", "step": step, "tier": "local"})
+    recs.sort(key=lambda r: r["t"])
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    j = Job.from_event_log(str(path), steps=1000, state_bytes=0)
+    assert (j.iter_s, j.stall_s, j.persist_s) == pytest.approx((0.1, 0.05, 0.05))
+    m = candidate_costs(j, Candidate(policy="auto", nodes=1), mtbf_s=math.inf)
+    assert m.k == 15
 
 
 def test_job_from_bench(tmp_path):
