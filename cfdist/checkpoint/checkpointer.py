@@ -967,7 +967,9 @@ class Checkpointer:
         self._note_rollback(found, rejected, cands, asked=step is not None)
         if self._latest is None or c.tier == 0:   # a restore may roll back past newer steps
             self._set_latest(c.step if c.tier == 0 else self._latest, newer_only=False)
-        self._record_restart(c.step, live=bool(found.manifest.get("live")))
+        live = bool(found.manifest.get("live"))
+        self._record_restart(c.step, live=live)
+        self._policy.restored(c.step, live=live)
         log.info("restored step %d from %s", c.step, f"tier {c.tier}" if c.tier < len(self.tiers) else
                  "a peer rank's copy")
         return c.step

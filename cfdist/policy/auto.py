@@ -133,6 +133,22 @@ class Auto(PolicyBase):
         if ctx.cached_profile is not None:
             self._load_cache(ctx.cached_profile)
 
+    def restored(self, step: int, *, live: bool) -> None:
+        """A restart from a survivor's live state is not a failure the interval answers to:
+        the MTBF estimated from the history at :meth:`bind` counted it; estimate again without
+        it (None when no failure that counts is left), and decide again from a cached profile."""
+        if not live or self.mtbf_source != "history" or self._first is not None:
+            return
+        ctx = self.ctx
+        est = freq.estimate_mtbf(ctx.failure_times_s, now_s=ctx.now_s, started_s=ctx.started_s, present=False)
+        if est == self.mtbf_s:
+            return
+        log.info("Auto: the restart restored a survivor's live state (step %d): MTBF %s instead of %.0f s",
+                 step, "unknown" if est is None else f"{est:.0f} s", self.mtbf_s)
+        self.mtbf_s, self.mtbf_source = est, ("history" if est is not None else None)
+        if self._from_cache and ctx.cached_profile is not None:
+            self._decide(from_cache=ctx.cached_profile)
+
     def should_checkpoint(self, step: int, *, epoch_end: bool = False) -> bool:
         """Same answer on every rank: a function of the step count and of the agreed k."""
         if self._first is None:

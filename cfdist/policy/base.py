@@ -97,6 +97,13 @@ class Policy(Protocol):
         context except ``rank``. Default: nothing."""
         ...
 
+    def restored(self, step: int, *, live: bool) -> None:
+        """The checkpointer restored ``step``, before any step of this start (after
+        :meth:`bind`); ``live``: from a survivor's live state (the failure rolled nothing back,
+        so it is not one an interval answers to; :meth:`bind`'s context counted the present
+        start as one). Default: nothing."""
+        ...
+
     def proposal(self) -> int:
         """The interval this rank would have in force (0: none yet). A policy whose interval comes
         from rank-local measurements proposes it here; the checkpointer publishes rank 0's
@@ -152,6 +159,9 @@ class PolicyBase(abc.ABC):
 
     def bind(self, ctx: PolicyContext) -> None:
         """See :meth:`Policy.bind`; does nothing."""
+
+    def restored(self, step: int, *, live: bool) -> None:
+        """See :meth:`Policy.restored`; does nothing."""
 
     def proposal(self) -> int:
         """See :meth:`Policy.proposal`; 0 (nothing to propose)."""
@@ -215,6 +225,10 @@ class _Forwarding(PolicyBase):
     def bind(self, ctx: PolicyContext) -> None:
         if (fn := self._hook("bind")) is not None:
             fn(ctx)
+
+    def restored(self, step: int, *, live: bool) -> None:
+        if (fn := self._hook("restored")) is not None:
+            fn(step, live=live)
 
     def proposal(self) -> int:
         return fn() if (fn := self._hook("proposal")) is not None else 0

@@ -226,22 +226,29 @@ def decide(
 
 
 def estimate_mtbf(restart_times_s: list[float] | tuple[float, ...], *, now_s: float,
-                  started_s: float | None = None) -> float | None:
+                  started_s: float | None = None, present: bool = True) -> float | None:
     """MTBF from this run's restarts: the mean gap between consecutive restarts, counting the
     present start (``now_s``) as one, i.e. ``(now_s - first restart) / restarts recorded``.
     With ``started_s`` (when the run first started) the gap before the first restart counts
     too: ``(now_s - started_s) / (restarts recorded + 1)``, so the first restart already has an
     estimate.
 
+    ``present=False``: the present start followed no failure that counts (a restart from a
+    survivor's live state): the failures are the recorded restarts only, over the time from
+    the start (or the first of them) to ``now_s``.
+
     Each gap holds one failure (plus its recovery, which makes the estimate conservative).
-    None without a recorded restart or start, or when the clock went backwards.
+    None without a recorded restart or start (a failure, when not ``present``), or when the
+    clock went backwards.
     """
     ts = sorted(float(t) for t in restart_times_s)
+    failures = len(ts) + (1 if present else 0)
     if started_s is not None and (not ts or started_s <= ts[0]) and now_s > started_s:
-        return (now_s - float(started_s)) / (len(ts) + 1)
+        return (now_s - float(started_s)) / failures if failures else None
     if not ts or now_s <= ts[0]:
         return None
-    return (now_s - ts[0]) / len(ts)
+    failures -= 1   # the gaps start at the first restart
+    return (now_s - ts[0]) / failures if failures else None
 
 
 def _check_p(p: float) -> None:

@@ -119,6 +119,20 @@ def test_estimate_mtbf_table(restarts, now, started, mtbf):
     assert got == (pytest.approx(mtbf) if mtbf is not None else None)
 
 
+@pytest.mark.parametrize("restarts, now, started, mtbf", [
+    ([], 400.0, 100.0, None),        # the only restart is the present one, which does not count
+    ([200.0], 400.0, 0.0, 400.0),    # one failure that counts since the start
+    ([100.0, 300.0], 500.0, 0.0, 250.0),
+    ([100.0], 400.0, None, None),    # no start time: no gap with a failure in it
+    ([100.0, 300.0], 500.0, None, 400.0),
+])
+def test_estimate_mtbf_when_the_present_start_followed_no_failure_that_counts(restarts, now, started, mtbf):
+    """A restart from a survivor's live state (``present=False``): the failures are the
+    recorded restarts only."""
+    got = freq.estimate_mtbf(restarts, now_s=now, started_s=started, present=False)
+    assert got == (pytest.approx(mtbf) if mtbf is not None else None)
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(Ti=0.0, Tw=0.0, Tc=0.1, Ts=1.0, m=1), "Ti must be > 0"),
     (dict(Ti=0.1, Tw=0.2, Tc=0.1, Ts=1.0, m=1), "exceeds Ti"),

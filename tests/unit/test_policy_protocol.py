@@ -19,7 +19,7 @@ from cfdist.policy import Auto, Every, EveryEpoch, Policy, PolicyBase, PolicyCon
 from cfdist.policy.base import as_policy
 from cfdist.policy.memory import MemoryEvery
 
-HOOKS = ("should_checkpoint", "observe", "bind", "proposal", "agreed", "profile_to_save", "stats")
+HOOKS = ("should_checkpoint", "observe", "bind", "restored", "proposal", "agreed", "profile_to_save", "stats")
 
 
 def _train(policy, url: str, steps: int) -> cfdist.Checkpointer:

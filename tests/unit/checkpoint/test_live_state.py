@@ -159,6 +159,16 @@ def test_a_restart_from_the_live_state_is_not_a_failure_autos_interval_answers_t
     ckpt = cfdist.Checkpointer({"model": model, "opt": opt, "sched": sched, "data": loader}, url, auto,
                                group=cfdist.GroupOptions(live=True))
     assert auto.ctx.failure_times_s == [], auto.ctx.failure_times_s
+    # bind cannot know yet how this start restores: it counts it as a failure ...
+    assert auto.mtbf_source == "history" and auto.mtbf_s is not None
+    ckpt.close()
+    # ... and a restore from the live state takes it back: no failure that rolled back is left
+    model, opt, sched, loader, _ = _objects(f"file://{tmp_path}/other2")
+    auto = cfdist.Auto()
+    ckpt = cfdist.Checkpointer({"model": model, "opt": opt, "sched": sched, "data": loader}, url, auto,
+                               group=cfdist.GroupOptions(live=True))
+    assert ckpt.restore() == FAIL_AT - 1
+    assert auto.mtbf_s is None and auto.mtbf_source is None, (auto.mtbf_s, auto.mtbf_source)
     ckpt.close()
 
 
