@@ -583,7 +583,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - that persist's own error is recorded by _harvest
             log.info("rank %d: a checkpoint in flight did not finish before the live save (%s)", self.rank,
                      type(e).__name__)
-        self._harvest()
+        self._harvest(publish=False)
 
     def wait(self) -> None:
         """Block until the last snapshot committed; re-raise a background failure (once)."""
@@ -851,18 +851,23 @@ class Checkpointer:
             expired = True
         return expired
 
-    def _harvest(self) -> None:
+    def _harvest(self, *, publish: bool = True) -> None:
         """Collect the finished persists, in step order (non-blocking); give up the ones past
-        ``PersistOptions.timeout_s``."""
+        ``PersistOptions.timeout_s``. ``publish=False``: their steps are not published to the
+        job's store (after the group failed, see :meth:`_collect`)."""
         self._expire_inflight()
         with self._lock:   # the snapshot thread may be recording the next persist
             done = []
             while self._inflight and self._inflight[0][0].done():
                 done.append(self._inflight.pop(0)[0])
         for p in done:
-            self._collect(p)
+            self._collect(p, publish=publish)
 
-    def _collect(self, p) -> None:
+    def _collect(self, p, *, publish: bool = True) -> None:
+        """Account a finished persist; its step becomes :attr:`latest_step`, published to the
+        job's store unless ``publish`` is False: a live save after the group failed touches no
+        store (it may live in the process of the rank that died, and finding that out took
+        ~90 ms of a preemption notice's grace)."""
         try:
             info = p.wait()
         except Exception as e:  # noqa: BLE001 - re-raised by wait()
@@ -871,7 +876,10 @@ class Checkpointer:
         self._stats["io"] = getattr(info, "io", None)
         self._stats["files_reused"] += getattr(info, "reused", 0)
         try:
-            self.latest_step = info.step
+            if publish:
+                self.latest_step = info.step
+            else:
+                self._latest = info.step
         except (RuntimeError, OSError) as e:   # c10d's DistNetworkError is a RuntimeError
             # The step is committed; only telling the other ranks failed: the job's store is
             # gone when the process hosting it (rank 0, under torchrun) ended first at the end

@@ -207,3 +207,62 @@ def test_a_durable_live_save_gives_up_an_older_persist_in_flight_instead_of_wait
         time.sleep(0.01)
     assert st.hung == 0, "step 4's released write did not end within 30 s"
     assert committed_steps(open_storage(url)) == [FAIL_AT - 1]
+
+
+def test_a_live_save_collects_a_finished_persist_without_the_store_whose_host_died(tmp_path, caplog):
+    """Two ranks (two Checkpointers on two threads, each its own root, as two nodes' writers)
+    agree through a real TCPStore, whose server then goes away as when the rank hosting it is
+    killed after a preemption notice. Rank 1's checkpoint of step 2 has committed but is not
+    collected yet: its live save collects it without publishing it to the gone store (on the
+    old code: a DistNetworkError after a round trip, and the warning below, inside the grace
+    period of the notice), and knows the step is on storage."""
+    import gc
+    import logging
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.storage import open_storage
+
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    clients = [dist.TCPStore("127.0.0.1", server.port, 2, False) for _ in range(2)]
+    out, errors = {}, []
+
+    def rank(r):
+        try:
+            torch.manual_seed(r)
+            model = torch.nn.Linear(4, 2)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            ck = cfdist.Checkpointer({"model": model, "opt": opt}, f"file://{tmp_path}/r{r}", cfdist.Every(2),
+                                     writers=True, group=cfdist.GroupOptions(rank=r, world_size=2, store=clients[r],
+                                                                             live=True, agree_timeout_s=30))
+            for _ in range(2):
+                model(torch.ones(3, 4)).sum().backward()
+                ck.step(opt)
+                opt.zero_grad()
+            ck._on_boundary()   # the next iteration's boundary: step 2's RNG states go out
+            out[r] = ck
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    assert not errors, errors
+    ck1 = out[1]
+    root1 = open_storage(f"file://{tmp_path}/r1")
+    deadline = time.monotonic() + 60
+    while committed_steps(root1) != [2]:
+        assert time.monotonic() < deadline, "rank 1's checkpoint of step 2 never committed within 60 s"
+        time.sleep(0.01)
+    del server   # the store's host is gone
+    gc.collect()
+    with caplog.at_level(logging.INFO, logger="cfdist"):
+        assert ck1.save_live(timeout_s=10) is None   # step 2 is on storage already: nothing to write
+    assert "publishing it to the job's store" not in caplog.text, caplog.text
+    assert "step 2 is on storage already" in caplog.text, caplog.text
+    assert ck1.latest_step == 2
+    for ck in out.values():
+        ck.abandon()
