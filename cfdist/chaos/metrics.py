@@ -425,6 +425,12 @@ def metrics_from_log(
                 progress += [(open_.t, step), (t, step)]
                 catching, open_ = open_, None   # recorded at its first step (resume_s) / catch-up
         elif ev == "end":
+            if open_ is not None and not open_.marks and "error" not in r and r.get("step", -1) >= open_.step:
+                # the failure came as the group finished its last step (a node taken after its
+                # ranks returned): nothing detected, nothing rolled back, the run's end stands
+                open_.restored_step = open_.step
+                done.append(open_.record(catchup_s=0.0, caught_up=True, end_t=t))
+                open_ = None
             step = r["step"] if open_ is None else step
     t_end = records[-1]["t"] - t0
     if catching is not None:
