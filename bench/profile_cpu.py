@@ -1,9 +1,9 @@
 """Where the CPU-seconds of one checkpoint go: a per-stage profile against memcpy + raw write.
 
     python bench/profile_cpu.py                      # MLP ~200 MB + Adam, 40 steps, k=5 (~30 s)
-    python bench/profile_cpu.py --mb 50 --steps 20 --out cfdist-runs/profile-cpu
+    python bench/profile_cpu.py --workload gpt --mb 50 --steps 20 --out cfdist-runs/profile-cpu
 
-One process trains the ``cfdist bench`` MLP (Adam) with a ``Checkpointer`` (writer thread, the
+One process trains a ``cfdist bench`` workload (``--workload``, the MLP by default; Adam) with a ``Checkpointer`` (writer thread, the
 default ``io="auto"``) checkpointing every ``--k`` steps, and charges the CPU time
 (``time.thread_time``, user + system, of the thread doing it) of each stage of a checkpoint:
 
@@ -114,14 +114,14 @@ def _reference(nbytes: int, d: str) -> dict:
     return {"memcpy": memcpy, "raw write + fsync": raw}
 
 
-def run(*, mb: float, steps: int, k: int, root: str) -> dict:
+def run(*, mb: float, steps: int, k: int, root: str, workload: str = "mlp") -> dict:
     import cfdist
     from cfdist.benchmarks.workloads import build
 
     torch.set_num_threads(1)
     ch = _Charges()
     _instrument(ch)
-    w = build("mlp", mb)
+    w = build(workload, mb)
     d = tempfile.mkdtemp(prefix="profile-cpu-", dir=root)
     opt_cpu = [0.0]
     real_step = w.optimizer.step
@@ -171,7 +171,7 @@ def run(*, mb: float, steps: int, k: int, root: str) -> dict:
         shutil.rmtree(d, ignore_errors=True)
     ref = {key: statistics.median(r[key] for r in refs) for key in refs[0]}
     per = {s: v / taken for s, v in ch.stage.items()}
-    return {"state_bytes": nbytes, "checkpoints": taken, "steps": steps, "k": k, "io": io,
+    return {"workload": workload, "state_bytes": nbytes, "checkpoints": taken, "steps": steps, "k": k, "io": io,
             "stages_cpu_s": per, "direct_cpu_s": sum(per.values()),
             "reference_cpu_s": ref, "reference_total_s": sum(ref.values()),
             "outside_cpu_s": (with_ck - without) / taken,
@@ -180,15 +180,16 @@ def run(*, mb: float, steps: int, k: int, root: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="mlp", help="a cfdist bench workload: mlp, cnn, gpt, dlrm (default mlp)")
     ap.add_argument("--mb", type=float, default=200, help="model + Adam state, MB (default 200)")
     ap.add_argument("--steps", type=int, default=40, help="measured steps (default 40)")
     ap.add_argument("--k", type=int, default=5, help="steps between checkpoints (default 5)")
     ap.add_argument("--dir", default=None, help="where the checkpoints are written (default: the temp dir)")
     ap.add_argument("--out", default=None, help="also write profile-cpu.json there")
     a = ap.parse_args()
-    r = run(mb=a.mb, steps=a.steps, k=a.k, root=a.dir or tempfile.gettempdir())
+    r = run(mb=a.mb, steps=a.steps, k=a.k, root=a.dir or tempfile.gettempdir(), workload=a.workload)
     ref = r["reference_total_s"]
-    print(f"{r['state_bytes'] / 1e6:.0f} MB, {r['checkpoints']} checkpoints (k={r['k']}, io={r['io']}), "
+    print(f"{r['workload']}, {r['state_bytes'] / 1e6:.0f} MB, {r['checkpoints']} checkpoints (k={r['k']}, io={r['io']}), "
           f"load average {r['load_avg'][0]:.1f}")
     print(f"{'stage':22s} {'CPU s/checkpoint':>16s} {'/ reference':>12s}")
     for s, v in r["stages_cpu_s"].items():
