@@ -44,7 +44,20 @@ def flatten(obj: Any, prefix: str = "", *, inline_tensors: bool = False,
     return _walk(obj, prefix, out, inline_tensors), out
 
 
+_PLAIN = frozenset({int, str, bool, type(None)})
+"""Leaf types returned as they are, matched exactly (subclasses, e.g. ``numpy.str_``, take the
+general path): the fast path of :func:`_walk`. A flatten runs on the training thread at every
+checkpoint step, and Python's RNG state alone is a tuple of 625 ints."""
+
+
 def _walk(obj: Any, path: str, out: dict, inline: bool) -> Any:
+    t = type(obj)
+    if t in _PLAIN:
+        return obj
+    if t is float:
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if (t is list or t is tuple) and all(type(v) in _PLAIN for v in obj):
+        return {"__tuple__": list(obj)} if t is tuple else list(obj)   # a run of plain values: no walk
     if isinstance(obj, torch.Tensor):
         if inline:
             return {"__small__": _tensor_to_b64(obj)}
