@@ -21,7 +21,6 @@ failure as one line; the details are in these files.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import signal
@@ -38,32 +37,6 @@ from cfdist.cluster.proc_log import stderr_to_file
 from cfdist.cluster.exits import exit_process
 
 log = logging.getLogger("cfdist.worker")
-
-
-def import_at_low_priority(name: str) -> None:
-    """Import module ``name`` on a thread of its own whose nice value is 19 (the lowest CPU
-    priority), and wait for it. A warm spare imports seconds of modules while the group trains
-    beside it; at nice 19 those imports take only CPU time the ranks leave idle. Linux nice
-    values are per thread and an unprivileged thread cannot lower its own back, so the work
-    runs on a thread that ends with it: the threads that later train keep their priority.
-    Where threads cannot be reniced (not Linux), the import runs at normal priority."""
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except (AttributeError, OSError) as e:
-                log.debug("importing %s at normal priority (%s)", name, e)
-            importlib.import_module(name)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
-            errors.append(e)
-
-    t = threading.Thread(target=work, name="cfdist-warm-import", daemon=True)
-    t.start()
-    t.join()
-    if errors:
-        raise errors[0]
 
 
 class RankWorker:
@@ -128,10 +101,7 @@ class RankWorker:
 
         if not dist.is_initialized():
             # A first DDP in a process imports ~800 modules (torch._dynamo, sympy, ...): seconds.
-            # Pay it now, not after a failure: the imports at the lowest CPU priority (they must
-            # not slow down the ranks training beside this spare), then a DDP step on a private
-            # one-rank group (milliseconds once the modules are in).
-            import_at_low_priority("torch._dynamo")
+            # Pay it now, on a private one-rank group, not after a failure.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             try:
                 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
