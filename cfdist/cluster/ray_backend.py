@@ -38,9 +38,10 @@ class NodeLost(RuntimeError):
 
 
 _CALL_S = 60.0
-_DRAIN_S = 1.0
-"""How long a poll waits for the node actors' commit records (they answer in milliseconds; one
-of a node just lost answers only once Ray's health checks fail)."""
+_DRAIN_S = 0.1
+"""How long a poll waits for the node actors' answers to the commit records it asked for (they
+answer in milliseconds; one of a node just lost answers only once Ray's health checks fail).
+An answer still pending from an earlier poll is not waited for again."""
 
 
 class RayBackend:
@@ -439,18 +440,28 @@ class RayBackend:
         self.warm_spare_nodes()
 
     def drain_commits(self) -> list[dict]:
-        """Commit records of the node actors since the previous call. An actor that does not
-        answer within ``_DRAIN_S`` (its node was just lost, and Ray answers for it only once its
-        health checks fail: seconds) is not waited for: its answer is read at a later call, so
-        a poll never stalls on a dead node before the group's own errors show it."""
+        """Commit records of the node actors since the previous call. Each actor is asked once
+        at a time; the answers asked for now get up to ``_DRAIN_S``, and one still pending from
+        an earlier call (its node was just lost, and Ray answers for it only once its health
+        checks fail: seconds) is only looked at: it is read at a later call. After the group
+        failed nothing is waited for: the failure's detection must not wait for a dead node's
+        actor (it made a lost node's detection 1.3 s instead of 0.2 s in 4 of 10 recoveries)."""
         out = []
         # not the actors of a node the group found gone: a call to one waits for Ray to give up
         gone = getattr(self.group, "_gone", set()) if self.group is not None else set()
+        failed = bool(getattr(self.group, "_errors", None)) if self.group is not None else False
+        fresh = []
         for nid, actor in self.actors.items():
             if nid not in gone and nid not in self._draining:
                 self._draining[nid] = (actor, actor.drain_events.remote())
+                fresh.append(self._draining[nid][1])
         asked = {nid: a_ref for nid, a_ref in self._draining.items() if nid not in gone}
-        ready, _ = ray.wait([ref for _, ref in asked.values()], num_returns=len(asked), timeout=_DRAIN_S)
+        ready = []
+        if fresh and not failed:
+            ready, _ = ray.wait(fresh, num_returns=len(fresh), timeout=_DRAIN_S)
+        earlier = [ref for _, ref in asked.values() if ref not in set(ready)]
+        if earlier:
+            ready += ray.wait(earlier, num_returns=len(earlier), timeout=0)[0]
         ready = set(ready)
         for nid, (actor, ref) in asked.items():
             if ref not in ready:

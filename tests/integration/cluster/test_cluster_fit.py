@@ -23,6 +23,7 @@ import pathlib
 import re
 import signal
 import threading
+import time
 
 import pytest
 import ray
@@ -828,3 +829,74 @@ def test_a_node_lost_at_the_last_step_loses_nothing(fake_cluster, reference, tmp
     (f,) = result.failure_stats
     assert f.kind == "preempt" and f.restored_step == STEPS and f.lost_iterations == 0, f
     check_exactly_once(str(out), STEPS)
+
+
+@ray.remote
+class _DrainEvents:
+    """A node actor's ``drain_events``: one commit record, at once or (``hold``) only once
+    released, as a lost node's actor answers only when Ray gives up on it."""
+
+    def __init__(self, step: int, hold: bool):
+        self.rec = {"t": float(step), "event": "checkpoint_committed", "step": step, "tier": "local"}
+        self.go = threading.Event()
+        if not hold:
+            self.go.set()
+
+    def drain_events(self):
+        self.go.wait()
+        rec, self.rec = self.rec, None
+        return [rec] if rec else []
+
+    def release(self):
+        self.go.set()
+
+    def ping(self):
+        return True
+
+
+def test_drain_commits_waits_once_for_an_actor_that_does_not_answer_and_not_after_the_group_failed(
+        fake_cluster, tmp_path, monkeypatch):
+    """Real Ray actors standing for two nodes' checkpoint actors; one answers only when
+    released. A poll asks both and waits a moment for the answers; the next polls do not wait
+    on the silent one again (its answer is only looked at), and once the group failed no poll
+    waits at all (a lost node's actor held every poll for 1 s, the failure's detection too).
+    Its answer, once given, arrives at a later poll."""
+    from cfdist.cluster import ray_backend
+    from cfdist.cluster.config import FitConfig
+
+    be = ray_backend.RayBackend(FitConfig(storage=(f"file://{tmp_path}/x",), num_nodes=2, progress=False),
+                                run_id="drain", train_fn=None, policy=None)
+    silent, quick = _DrainEvents.options(max_concurrency=2).remote(7, True), \
+        _DrainEvents.options(max_concurrency=2).remote(8, False)
+    ray.get([silent.ping.remote(), quick.ping.remote()], timeout=60)   # both actors up
+    be.actors = {"silent": silent, "quick": quick}
+    waits = []
+    real_wait = ray.wait
+
+    def spy(refs, *args, **kwargs):
+        waits.append((list(refs), kwargs.get("timeout")))
+        return real_wait(refs, *args, **kwargs)
+
+    monkeypatch.setattr(ray_backend.ray, "wait", spy)
+    got, deadline = be.drain_commits(), time.monotonic() + 60
+    held = be._draining["silent"][1]   # asked once, not answered
+    while not got:   # the quick actor's answer (a loaded machine may miss one poll's moment)
+        assert time.monotonic() < deadline, "the answering actor's commit record never arrived"
+        got = be.drain_commits()
+    assert [r["step"] for r in got] == [8] and be._draining["silent"][1] is held
+    assert all(t == 0 for refs, t in waits[1:] if held in refs), waits   # never waited for again
+    waits.clear()
+    assert be.drain_commits() == []
+    assert waits and all(t == 0 for refs, t in waits if held in refs), waits
+
+    class Failed:   # the group's poll saw a rank's error
+        _errors = ["rank 1 died"]
+        _gone: set = set()
+
+    be.group = Failed()
+    waits.clear()
+    assert be.drain_commits() == []
+    assert waits and all(t == 0 for _, t in waits), waits
+    ray.get(silent.release.remote())
+    ray.wait([held], timeout=60)
+    assert [r["step"] for r in be.drain_commits()] == [7], "the silent actor's answer was not read once given"
