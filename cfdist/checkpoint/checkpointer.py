@@ -33,7 +33,7 @@ import warnings
 import torch
 
 from cfdist.checkpoint import agreement, discovery, latest as newest, peer, retention, roots, slices, state as st
-from cfdist.checkpoint.codecs.pipeline import resolve_codecs
+from cfdist.checkpoint.codecs.pipeline import encode_work, resolve_codecs, validate_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.live import LiveState
 from cfdist.checkpoint.format import CheckpointError, step_dir
@@ -192,20 +192,19 @@ class Checkpointer:
             slices=SliceCommit(self._channel, index=self.rank, writers=self._slicer.writers)
             if self._slicer is not None and self.writer else None)
         self._restores = 0
-        if host_memory is not None:
-            if not getattr(self.backend, "streams", False):
-                raise ValueError(f"host_memory= streams snapshots into the writer; the {type(self.backend).__name__} "
-                                 f"reads whole snapshots (cfdist.fit's node actors do, for their memory tier): use "
-                                 f"PersistOptions(backend='thread') (the default) or 'process' with a host-memory "
-                                 f"budget")
-            if codecs:
-                raise ValueError("host_memory= does not work with codecs yet: a codec encodes whole tensors before "
-                                 "the shard's header can be written, which needs the whole shard in memory; drop "
-                                 "one of the two")
+        if host_memory is not None and not getattr(self.backend, "streams", False):
+            raise ValueError(f"host_memory= streams snapshots into the writer; the {type(self.backend).__name__} "
+                             f"reads whole snapshots (cfdist.fit's node actors do, for their memory tier): use "
+                             f"PersistOptions(backend='thread') (the default) or 'process' with a host-memory "
+                             f"budget")
+        # Codecs under a budget encode the snapshot chunk by chunk as it streams (framed shards,
+        # :mod:`cfdist.checkpoint.format`); the budget sets aside what the encoding holds.
+        codec_work = encode_work(validate_codecs(codecs)) if host_memory is not None and self.writer else 0.0
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory,
                                  buffers=self.config.buffers, host_memory=host_memory,
                                  whole_bytes=st.mutable_in_forward_bytes(state) if self.writer and host_memory else 0,
-                                 keeps_hung_writers=getattr(self.backend, "keeps_hung_writers", False))
+                                 keeps_hung_writers=getattr(self.backend, "keeps_hung_writers", False),
+                                 codec_work=codec_work)
         if host_memory is not None:   # the budgeted gate waits for chunks that only persists give back
             self._snap.on_wait = self._expire_inflight
         if self.writer and persist.io == "direct":   # asked for explicitly: refuse where it cannot be had
@@ -249,6 +248,27 @@ class Checkpointer:
         self._bind_policy()
         self.codecs = resolve_codecs(codecs, mtbf_s=self._policy.mtbf_s, history=self._read_json(HISTORY))
         self._codec_session = uuid.uuid4().hex
+        self.reference_bytes = self._reference_bytes() if host_memory is not None and self.writer else 0
+        """Host memory chain codecs (``Incremental``, ``LCDelta``) keep *outside* ``host_memory``:
+        one copy of the tensors they select, as their reference (up to twice that while a
+        checkpoint that rewrites them is persisted). 0 without chain codecs or a budget."""
+        if self.reference_bytes:
+            log.info("host_memory=%r bounds the snapshots; the chain codecs' references are kept beside it: %d "
+                     "bytes (up to %d while a checkpoint that rewrites them is persisted)", host_memory,
+                     self.reference_bytes, 2 * self.reference_bytes)
+
+    def _reference_bytes(self) -> int:
+        """Bytes of the state's tensors the chain codecs select (see :attr:`reference_bytes`)."""
+        chains = [c for c in self.codecs if c.kind == "chain"]
+        if not chains:
+            return 0
+        total = 0
+        for k, obj in self.state.items():
+            if self._kinds[k] == st.EARLY:
+                _, ts = flatten(st.capture(obj), k)
+                total += sum(t.numel() * t.element_size() for n, t in ts.items()
+                             if any(c.selects(n, t.dtype, tuple(t.shape)) for c in chains))
+        return total
 
     def _slice_plan(self, writer: bool | None, codecs) -> "slices.Slicer | None":
         """The sliced-persist plan of this rank (``writers="all"`` or N >= 2), or None (one writer)."""
@@ -657,7 +677,8 @@ class Checkpointer:
         pool = self._snap.pool
         if self.config.host_memory is not None:
             out.update(host_memory=self.config.host_memory, chunk_bytes=pool.chunk_bytes if pool else None,
-                       chunk_waits=pool.waits if pool else 0, chunks_retired=pool.retired if pool else 0)
+                       chunk_waits=pool.waits if pool else 0, chunks_retired=pool.retired if pool else 0,
+                       reference_bytes=self.reference_bytes)
         out.update({k: v for k, v in self._policy.stats().items() if k not in ("checkpoints", "errors", "bytes")})
         return out
 
