@@ -81,6 +81,9 @@ class ChainPlan:
         self._lock = threading.Lock()
         self._updates: list = []
         self.used = False
+        self.staged: dict[str, np.ndarray] = {}
+        """Frames (:class:`FramePlan`) of a full checkpoint: each tensor's next reference, filled
+        frame by frame, in place of the old one at the commit."""
 
     def reference(self, name: str, arr: np.ndarray) -> np.ndarray | None:
         """The reference of tensor ``name`` when it can be encoded against one, else None."""
@@ -173,7 +176,21 @@ class FramePlan:
         return r.reshape(-1)[self.start:self.stop].reshape(arr.shape)
 
     def remember(self, name: str, arr: np.ndarray) -> None:
-        if self.plan.full or self.plan.consecutive:
+        p = self.plan
+        if p.full:
+            # every frame of every tensor is remembered: straight into the next reference, and
+            # the old one (which this checkpoint does not read) goes now, so the references
+            # stay one copy of the selected tensors, not two. Should this persist fail, the
+            # next one finds no reference for the tensor and writes it whole: never wrong.
+            with p._lock:
+                buf, new = p.staged.get(name), False
+                if buf is None:
+                    p.state.refs.pop(name, None)
+                    buf, new = p.staged.setdefault(name, np.empty(self.full_shape, dtype=arr.dtype)), True
+            if new:
+                p.after_commit(lambda refs: refs.__setitem__(name, buf))
+            buf.reshape(-1)[self.start:self.stop] = arr.reshape(-1)
+        elif p.consecutive:
             copy = self.keep(arr)
             self.after_commit(lambda refs: refs.__setitem__(name, copy))
 
