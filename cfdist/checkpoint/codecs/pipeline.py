@@ -436,7 +436,7 @@ def to_raw_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def from_raw_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    a = np.ascontiguousarray(a if a.flags.writeable else a.copy())
+    a = np.ascontiguousarray(a if a.flags.writeable else a.copy()).reshape(a.shape)   # (keeps 0-d 0-d)
     if dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
         a = a.view({1: np.uint8, 2: np.int16}[a.itemsize])
     return torch.from_numpy(a).view(dtype)
