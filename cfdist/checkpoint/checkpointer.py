@@ -115,7 +115,9 @@ class Checkpointer:
             writes (double buffering, 2 x the state in host memory).
         host_memory: a budget for the snapshots' host memory, bytes or a fraction of the state
             (default None: ``buffers`` full copies); snapshots then stream through a bounded
-            pool of chunks into the persist (:mod:`cfdist.checkpoint.chunks`).
+            pool of chunks into the persist (:mod:`cfdist.checkpoint.chunks`); with codecs the
+            persist encodes them chunk by chunk (framed shards), and chain codecs' references
+            are kept beside the budget (:attr:`reference_bytes`).
         codecs: ``cfdist.codecs`` objects that make checkpoints smaller (``Incremental``,
             ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
             the plain safetensors format.
@@ -197,6 +199,11 @@ class Checkpointer:
                              f"reads whole snapshots (cfdist.fit's node actors do, for their memory tier): use "
                              f"PersistOptions(backend='thread') (the default) or 'process' with a host-memory "
                              f"budget")
+        if host_memory is not None and codecs and not getattr(self.backend, "streams_codecs", False):
+            raise ValueError(f"host_memory= with codecs needs a backend that encodes the snapshot as it streams; the "
+                             f"{type(self.backend).__name__} does not (cfdist.fit's node actors write the local tier "
+                             f"from the memory tier's files, which would hold encoded frames): drop host_memory= or "
+                             f"codecs= there, or use PersistOptions(backend='thread' or 'process')")
         # Codecs under a budget encode the snapshot chunk by chunk as it streams (framed shards,
         # :mod:`cfdist.checkpoint.format`); the budget sets aside what the encoding holds.
         codec_work = encode_work(validate_codecs(codecs)) if host_memory is not None and self.writer else 0.0

@@ -744,6 +744,8 @@ class ThreadBackend:
     needs_shared_memory = False
     streams = True
     """Writes snapshots streamed through a host-memory budget (:mod:`cfdist.checkpoint.chunks`)."""
+    streams_codecs = True
+    """... and encodes them with codecs as they stream (framed shards)."""
 
     def __init__(self, storages: list[Storage]):
         self.storages = storages
@@ -838,6 +840,8 @@ class ProcessBackend:
     needs_shared_memory = True
     streams = True
     """Reads snapshots streamed through a host-memory budget from a shared chunk pool."""
+    streams_codecs = True
+    """... and encodes them with codecs as they stream (framed shards)."""
 
     def __init__(self, storages: list[Storage], storage_options: dict | None = None):
         for s in storages:

@@ -183,14 +183,14 @@ def test_a_budget_too_small_for_the_codecs_is_refused_with_the_minimum(tmp_path)
 def test_sigkill_under_a_budget_with_codecs_always_restores_the_newest_commit(children, tmp_path):
     """The crash loop of ``test_checkpoint_crash`` (a 12 MB MLP under Adam, Every(2), exactly-once
     data) with ``Incremental`` + ``Zstd`` encoding snapshots streamed through a tenth of the
-    state: training processes SIGKILLed at seeded instants, some while a framed write is in
+    state: 10 training processes SIGKILLed at seeded instants, some while a framed write is in
     flight; each next one restores exactly the newest commit (its chain decoded, every checksum
     verified), and the next checkpoint after each restart commits."""
     out = tmp_path / "out"
     out.mkdir()
-    interrupted = kill_restore_loop(children, out, f"file://{tmp_path / 'ckpt'}", kills=6, seed=31,
+    interrupted = kill_restore_loop(children, out, f"file://{tmp_path / 'ckpt'}", kills=10, seed=24,
                                     host_memory=0.1, codecs=[["Incremental", {"full_every": 3}], ["Zstd", {}]])
-    assert interrupted >= 1, "none of 6 kills landed while a checkpoint was being written"
+    assert interrupted >= 1, "none of 10 kills landed while a checkpoint was being written"
 
 
 _RSS_CHILD = textwrap.dedent("""
@@ -214,14 +214,14 @@ _RSS_CHILD = textwrap.dedent("""
                                  host_memory=budget, codecs=[eval(c) for c in codecs],
                                  persist=cfdist.PersistOptions(io="auto"))
         deltas = []
+        base = status("VmRSS:")   # before the first save: what the process holds beside the state
         for save in range(2):   # the first writes whole (and fills a chain's references), the second an increment
             with torch.no_grad():
                 m.w0[save * 1000:(save + 1) * 1000] += 1
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")   # resets VmHWM to the current RSS
-            base = status("VmRSS:")
             ck.save(block=True)
-            deltas.append(status("VmHWM:") - base)
+            deltas.append(status("VmHWM:") - base)   # the peak of this save, above the base
         ck.close()
         assert ck.stats["errors"] == 0, ck.stats
         out[str(run)] = {"deltas": deltas, "refs": ck.stats["reference_bytes"], "written": ck.stats["bytes_written"]}
@@ -236,9 +236,9 @@ OVERHEAD = 8 << 20
 def test_peak_memory_stays_within_the_budget_with_codecs_on_a_400_mb_state(tmp_path):
     """A 400 MiB state saved twice with ``Zstd`` under 25 % and 50 % of it, and with ``Incremental``
     + ``Zstd`` under 25 %, in a child process: the peak RSS each save adds (``VmHWM`` after
-    ``clear_refs``) is within the budget plus the threads' fixed overhead, plus, for the first
-    save of a chain codec, its references (one copy of the tables it selects: stated outside the
-    budget, ``stats["reference_bytes"]``)."""
+    ``clear_refs``, above the RSS before the first save) is within the budget plus the threads'
+    fixed overhead, plus, with a chain codec, its references (one copy of the tables it selects,
+    kept from the first save on: stated outside the budget, ``stats["reference_bytes"]``)."""
     state = 400 << 20
     runs = [(0.25, ["Zstd()"]), (0.5, ["Zstd()"]), (0.25, ["Incremental(full_every=10)", "Zstd()"])]
     r = subprocess.run([sys.executable, "-c", _RSS_CHILD, f"file://{tmp_path}", json.dumps(runs)],
@@ -251,4 +251,4 @@ def test_peak_memory_stays_within_the_budget_with_codecs_on_a_400_mb_state(tmp_p
         refs = got[str(i)]["refs"]
         assert refs == (state if "Incremental" in codecs[0] else 0), got
         assert first <= budget * state + refs + OVERHEAD, (budget, codecs, got)
-        assert second <= budget * state + OVERHEAD, (budget, codecs, got)
+        assert second <= budget * state + refs + OVERHEAD, (budget, codecs, got)
