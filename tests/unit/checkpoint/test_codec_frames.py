@@ -9,7 +9,11 @@ import torch
 
 from cfdist.checkpoint.codecs import chain
 from cfdist.checkpoint.codecs.base import DecodeContext
-from cfdist.checkpoint.codecs.pipeline import EncodeSession, TensorFrames, _decode_frames
+from cfdist.checkpoint.codecs.pipeline import (
+    EncodeSession,
+    TensorFrames,
+    _decode_frames,
+)
 from cfdist.checkpoint.codecs.quantize import per_row_bound
 from cfdist.checkpoint.format import CheckpointError, TensorEntry
 from cfdist.codecs import Incremental, Quantize, Zstd
@@ -60,7 +64,7 @@ def test_incremental_frames_encode_against_the_same_elements_of_the_reference(tm
     x = rng.standard_normal((64, 8)).astype(np.float32)
     e = TensorEntry("emb", 0, torch.float32, x.shape, 0, x.nbytes)
     s1 = EncodeSession(st, 1, (Incremental(full_every=None),), "chain-test")
-    full, blob1 = _encode(s1, e, x, [4 * 100, 4 * 300])
+    _, blob1 = _encode(s1, e, x, [4 * 100, 4 * 300])
     (tmp_path / "step-000000001").mkdir()
     (tmp_path / "step-000000001" / "MANIFEST.json").write_text("{}")   # committed, as the plan checks
     s1.commit()
