@@ -25,6 +25,7 @@ import concurrent.futures as cf
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -255,27 +256,27 @@ class Checkpointer:
         self._bind_policy()
         self.codecs = resolve_codecs(codecs, mtbf_s=self._policy.mtbf_s, history=self._read_json(HISTORY))
         self._codec_session = uuid.uuid4().hex
-        self.reference_bytes = self._reference_bytes() if host_memory is not None and self.writer else 0
+        self._chains = [c for c in self.codecs if c.kind == "chain"] if host_memory is not None and self.writer else []
+        self._ref_layout: tuple | None = None
+        self.reference_bytes = 0
         """Host memory chain codecs (``Incremental``, ``LCDelta``) keep *outside* ``host_memory``:
-        one copy of the tensors they select, as their reference (up to twice that while a
-        checkpoint that rewrites them is persisted). 0 without chain codecs or a budget."""
-        if self.reference_bytes:
+        one copy of the tensors they select, as their reference (``LCDelta``: up to twice that
+        while a persist runs). Counted when the Checkpointer is built and at each snapshot (an
+        optimizer's state appears after its first step); 0 without chain codecs or a budget."""
+        if self._chains:
+            _, tensors = flatten({k: st.capture(o) for k, o in state.items() if self._kinds[k] == st.EARLY})
+            self._count_references(tensors)
             log.info("host_memory=%r bounds the snapshots; the chain codecs' references are kept beside it: %d "
-                     "bytes (up to %d while a checkpoint that rewrites them is persisted)", host_memory,
-                     self.reference_bytes, 2 * self.reference_bytes)
+                     "bytes now (one copy of the tensors %s select%s)", host_memory, self.reference_bytes,
+                     " and ".join(type(c).__name__ for c in self._chains), "" if len(self._chains) > 1 else "s")
 
-    def _reference_bytes(self) -> int:
-        """Bytes of the state's tensors the chain codecs select (see :attr:`reference_bytes`)."""
-        chains = [c for c in self.codecs if c.kind == "chain"]
-        if not chains:
-            return 0
-        total = 0
-        for k, obj in self.state.items():
-            if self._kinds[k] == st.EARLY:
-                _, ts = flatten(st.capture(obj), k)
-                total += sum(t.numel() * t.element_size() for n, t in ts.items()
-                             if any(c.selects(n, t.dtype, tuple(t.shape)) for c in chains))
-        return total
+    def _count_references(self, tensors: dict) -> None:
+        """:attr:`reference_bytes` for a snapshot of ``tensors`` (recounted for a new layout only)."""
+        layout = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        if layout != self._ref_layout:
+            self._ref_layout = layout
+            self.reference_bytes = sum(math.prod(s) * d.itemsize for n, d, s in layout
+                                       if any(c.selects(n, d, s) for c in self._chains))
 
     def _slice_plan(self, writer: bool | None, codecs) -> "slices.Slicer | None":
         """The sliced-persist plan of this rank (``writers="all"`` or N >= 2), or None (one writer)."""
@@ -706,6 +707,8 @@ class Checkpointer:
         self._harvest()
         early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
         skeleton, tensors = flatten(early)
+        if self._chains:
+            self._count_references(tensors)
         self._pending = {"step": self._step, "epoch": self._epoch(), "epoch_end": epoch_end,
                          "skeleton": skeleton, "slot": slot}
         if not self._fetch_hooked:

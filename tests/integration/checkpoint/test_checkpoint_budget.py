@@ -166,7 +166,7 @@ def test_a_budget_that_cannot_work_is_refused_with_the_minimum(tmp_path):
     cfdist.Checkpointer({"model": bn}, url, host_memory=need).close()
 
 
-_RSS_CHILD = textwrap.dedent("""
+RSS_PRELUDE = textwrap.dedent("""
     import json, sys, torch, cfdist
 
     def status(key):
@@ -175,6 +175,10 @@ _RSS_CHILD = textwrap.dedent("""
                 return int(line.split()[1]) * 1024
 
     torch.set_num_threads(1)
+""")
+"""The start of a child that measures its peak RSS (``status("VmHWM:")`` after ``clear_refs``)."""
+
+_RSS_CHILD = RSS_PRELUDE + textwrap.dedent("""
     m = torch.nn.Module()
     for i in range(4):   # 4 x 100 MiB: the largest tensor is larger than a 10 % budget
         m.register_parameter(f"w{i}", torch.nn.Parameter(torch.full((25 << 20,), float(i))))

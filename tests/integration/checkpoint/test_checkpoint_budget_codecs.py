@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from test_checkpoint_budget import OVERHEAD, RSS_PRELUDE
 from test_checkpoint_crash import kill_restore_loop
 
 import cfdist
@@ -192,16 +193,9 @@ def test_sigkill_under_a_budget_with_codecs_always_restores_the_newest_commit(ch
     assert interrupted >= 1, "none of 10 kills landed while a checkpoint was being written"
 
 
-_RSS_CHILD = textwrap.dedent("""
-    import json, sys, torch, cfdist
+_RSS_CHILD = RSS_PRELUDE + textwrap.dedent("""
     from cfdist.codecs import Incremental, Zstd
 
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     m = torch.nn.Module()
     for i in range(4):   # 4 x 100 MiB tables of random values (zstd gains little: it works the whole way)
@@ -226,11 +220,6 @@ _RSS_CHILD = textwrap.dedent("""
         out[str(run)] = {"deltas": deltas, "refs": ck.stats["reference_bytes"], "written": ck.stats["bytes_written"]}
     print(json.dumps(out))
 """)
-
-OVERHEAD = 8 << 20
-"""RSS a save adds beyond its snapshot memory (threads' stacks and allocator arenas; as in
-``test_checkpoint_budget``)."""
-
 
 def test_peak_memory_stays_within_the_budget_with_codecs_on_a_400_mb_state(tmp_path):
     """A 400 MiB state saved twice with ``Zstd`` under 25 % and 50 % of it, and with ``Incremental``
