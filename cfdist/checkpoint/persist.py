@@ -399,6 +399,7 @@ def _stream_frames(stream, entries: list[TensorEntry], session, sums: dict, shar
         sums[e.name] = h.hexdigest()
 
     for w in range(stream.windows):
+        check()   # a persist given up stops encoding at its next window
         mv = stream.get(w, check)
         a, b = stream.window(w)
         chunk = np.frombuffer(mv, dtype=np.uint8)
