@@ -11,9 +11,7 @@ second case rank 0's disk hangs under step 4 (``cfdist.testing.hang``), as a dea
 from __future__ import annotations
 
 import json
-import os
 import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,7 +22,7 @@ from cfdist.checkpoint.discovery import committed_steps
 from cfdist.codecs import Incremental, Zstd
 from cfdist.storage import open_storage
 from cfdist.testing import hang
-from tests.distributed.ranks import run_ranks
+from tests.distributed.ranks import gloo_cases, run_ranks
 
 STEPS, EVERY, HUNG = 10, 2, 4
 
@@ -42,17 +40,8 @@ class _Net(torch.nn.Module):
 
 
 def _worker(rank: int, world: int, store_path: str, root: str, out: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    torch.set_num_threads(1)
-    res = {}
-    try:
-        for case in ("copies", "hung"):
-            res[case] = _case(rank, f"{root}/{case}", case)
-    finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(res, f)
-        dist.destroy_process_group()
+    gloo_cases(rank, world, store_path, out,
+               [(c, lambda c=c: _case(rank, f"{root}/{c}", c)) for c in ("copies", "hung")])
 
 
 def _case(rank: int, path: str, case: str) -> dict:
