@@ -25,6 +25,7 @@ import concurrent.futures as cf
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -33,7 +34,7 @@ import warnings
 import torch
 
 from cfdist.checkpoint import agreement, discovery, latest as newest, peer, retention, roots, slices, state as st
-from cfdist.checkpoint.codecs.pipeline import resolve_codecs
+from cfdist.checkpoint.codecs.pipeline import encode_work, resolve_codecs, validate_codecs
 from cfdist.checkpoint.flatten import flatten
 from cfdist.checkpoint.live import LiveState
 from cfdist.checkpoint.format import CheckpointError, step_dir
@@ -115,7 +116,9 @@ class Checkpointer:
             writes (double buffering, 2 x the state in host memory).
         host_memory: a budget for the snapshots' host memory, bytes or a fraction of the state
             (default None: ``buffers`` full copies); snapshots then stream through a bounded
-            pool of chunks into the persist (:mod:`cfdist.checkpoint.chunks`).
+            pool of chunks into the persist (:mod:`cfdist.checkpoint.chunks`); with codecs the
+            persist encodes them chunk by chunk (framed shards), and chain codecs' references
+            are kept beside the budget (:attr:`reference_bytes`).
         codecs: ``cfdist.codecs`` objects that make checkpoints smaller (``Incremental``,
             ``Quantize``, ``LCDelta``, ``Zstd``); they run in the persist path. Default: none,
             the plain safetensors format.
@@ -192,20 +195,24 @@ class Checkpointer:
             slices=SliceCommit(self._channel, index=self.rank, writers=self._slicer.writers)
             if self._slicer is not None and self.writer else None)
         self._restores = 0
-        if host_memory is not None:
-            if not getattr(self.backend, "streams", False):
-                raise ValueError(f"host_memory= streams snapshots into the writer; the {type(self.backend).__name__} "
-                                 f"reads whole snapshots (cfdist.fit's node actors do, for their memory tier): use "
-                                 f"PersistOptions(backend='thread') (the default) or 'process' with a host-memory "
-                                 f"budget")
-            if codecs:
-                raise ValueError("host_memory= does not work with codecs yet: a codec encodes whole tensors before "
-                                 "the shard's header can be written, which needs the whole shard in memory; drop "
-                                 "one of the two")
+        if host_memory is not None and not getattr(self.backend, "streams", False):
+            raise ValueError(f"host_memory= streams snapshots into the writer; the {type(self.backend).__name__} "
+                             f"reads whole snapshots (cfdist.fit's node actors do, for their memory tier): use "
+                             f"PersistOptions(backend='thread') (the default) or 'process' with a host-memory "
+                             f"budget")
+        if host_memory is not None and codecs and not getattr(self.backend, "streams_codecs", False):
+            raise ValueError(f"host_memory= with codecs needs a backend that encodes the snapshot as it streams; the "
+                             f"{type(self.backend).__name__} does not (cfdist.fit's node actors write the local tier "
+                             f"from the memory tier's files, which would hold encoded frames): drop host_memory= or "
+                             f"codecs= there, or use PersistOptions(backend='thread' or 'process')")
+        # Codecs under a budget encode the snapshot chunk by chunk as it streams (framed shards,
+        # :mod:`cfdist.checkpoint.format`); the budget sets aside what the encoding holds.
+        codec_work = encode_work(validate_codecs(codecs)) if host_memory is not None and self.writer else 0.0
         self._snap = Snapshotter(n_shards=len(self.storages), shared=self.backend.needs_shared_memory,
                                  buffers=self.config.buffers, host_memory=host_memory,
                                  whole_bytes=st.mutable_in_forward_bytes(state) if self.writer and host_memory else 0,
-                                 keeps_hung_writers=getattr(self.backend, "keeps_hung_writers", False))
+                                 keeps_hung_writers=getattr(self.backend, "keeps_hung_writers", False),
+                                 codec_work=codec_work)
         if host_memory is not None:   # the budgeted gate waits for chunks that only persists give back
             self._snap.on_wait = self._expire_inflight
         if self.writer and persist.io == "direct":   # asked for explicitly: refuse where it cannot be had
@@ -249,6 +256,27 @@ class Checkpointer:
         self._bind_policy()
         self.codecs = resolve_codecs(codecs, mtbf_s=self._policy.mtbf_s, history=self._read_json(HISTORY))
         self._codec_session = uuid.uuid4().hex
+        self._chains = [c for c in self.codecs if c.kind == "chain"] if host_memory is not None and self.writer else []
+        self._ref_layout: tuple | None = None
+        self.reference_bytes = 0
+        """Host memory chain codecs (``Incremental``, ``LCDelta``) keep *outside* ``host_memory``:
+        one copy of the tensors they select, as their reference (``LCDelta``: up to twice that
+        while a persist runs). Counted when the Checkpointer is built and at each snapshot (an
+        optimizer's state appears after its first step); 0 without chain codecs or a budget."""
+        if self._chains:
+            _, tensors = flatten({k: st.capture(o) for k, o in state.items() if self._kinds[k] == st.EARLY})
+            self._count_references(tensors)
+            log.info("host_memory=%r bounds the snapshots; the chain codecs' references are kept beside it: %d "
+                     "bytes now (one copy of the tensors %s select%s)", host_memory, self.reference_bytes,
+                     " and ".join(type(c).__name__ for c in self._chains), "" if len(self._chains) > 1 else "s")
+
+    def _count_references(self, tensors: dict) -> None:
+        """:attr:`reference_bytes` for a snapshot of ``tensors`` (recounted for a new layout only)."""
+        layout = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        if layout != self._ref_layout:
+            self._ref_layout = layout
+            self.reference_bytes = sum(math.prod(s) * d.itemsize for n, d, s in layout
+                                       if any(c.selects(n, d, s) for c in self._chains))
 
     def _slice_plan(self, writer: bool | None, codecs) -> "slices.Slicer | None":
         """The sliced-persist plan of this rank (``writers="all"`` or N >= 2), or None (one writer)."""
@@ -657,7 +685,8 @@ class Checkpointer:
         pool = self._snap.pool
         if self.config.host_memory is not None:
             out.update(host_memory=self.config.host_memory, chunk_bytes=pool.chunk_bytes if pool else None,
-                       chunk_waits=pool.waits if pool else 0, chunks_retired=pool.retired if pool else 0)
+                       chunk_waits=pool.waits if pool else 0, chunks_retired=pool.retired if pool else 0,
+                       reference_bytes=self.reference_bytes)
         out.update({k: v for k, v in self._policy.stats().items() if k not in ("checkpoints", "errors", "bytes")})
         return out
 
@@ -678,6 +707,8 @@ class Checkpointer:
         self._harvest()
         early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
         skeleton, tensors = flatten(early)
+        if self._chains:
+            self._count_references(tensors)
         self._pending = {"step": self._step, "epoch": self._epoch(), "epoch_end": epoch_end,
                          "skeleton": skeleton, "slot": slot}
         if not self._fetch_hooked:

@@ -54,9 +54,42 @@ def min_chunks(roots: int = 1, io_threads: int = 1) -> int:
     return max(MIN_CHUNKS, roots * writes_in_flight(io_threads) + 1)
 
 
-def minimum_budget(roots: int = 1) -> int:
-    """The smallest ``host_memory`` that can work: :func:`min_chunks` chunks of one page."""
-    return min_chunks(roots) * ALIGN
+CODEC_MIN_CHUNK = 64 << 10
+"""Smallest chunk when codecs encode a snapshot chunk by chunk: every chunk's part of a tensor
+is a frame of its own (a record in the manifest, a call into each codec), so pages would
+make the manifest larger than a small state and the encoding slower than the write."""
+
+
+def codec_chunks(work: float, roots: int = 1, io_threads: int = 1) -> float:
+    """Chunks' worth of host memory each root's writer holds beside the pool while codecs
+    encode the snapshot (``work``: :func:`cfdist.checkpoint.codecs.pipeline.encode_work`, 0
+    without codecs): the encoded frames its writes in flight still read, the window's frames
+    being handed to the write, and the codecs' temporaries."""
+    return roots * (writes_in_flight(io_threads) + 1 + work) if work else 0.0
+
+
+def minimum_budget(roots: int = 1, work: float = 0.0) -> int:
+    """The smallest ``host_memory`` that can work: :func:`min_chunks` chunks of one page, or
+    with codecs (``work``), those and :func:`codec_chunks` of :data:`CODEC_MIN_CHUNK` each."""
+    if not work:
+        return min_chunks(roots) * ALIGN
+    return math.ceil((min_chunks(roots) + codec_chunks(work, roots)) * CODEC_MIN_CHUNK)
+
+
+def split_budget(budget: int, roots: int = 1, work: float = 0.0) -> tuple[int, int]:
+    """``(chunk bytes, pool bytes)`` of ``budget`` bytes: with codecs (``work``) the pool gets
+    what :func:`codec_chunks` of the same size leave; raises ``ValueError`` (naming the minimum)
+    when the chunks would be smaller than :data:`CODEC_MIN_CHUNK`."""
+    least = min_chunks(roots)
+    if not work:
+        return chunk_size(budget, least), budget
+    extra = codec_chunks(work, roots)
+    c = min(CHUNK_MAX, int(budget / (least + extra))) // ALIGN * ALIGN
+    if c < CODEC_MIN_CHUNK:
+        raise ValueError(f"a budget of {budget} bytes is too small for codecs: it needs {least} chunks for the "
+                         f"snapshot and {extra:g} for encoding them ({roots} root(s)), each at least "
+                         f"{CODEC_MIN_CHUNK} bytes ({minimum_budget(roots, work)} bytes)")
+    return c, budget - math.ceil(extra * c)
 
 POLL_S = 0.05
 """How often a wait for a chunk or a window checks whether it should give up."""
@@ -66,18 +99,20 @@ class Cancelled(Exception):
     """The wait for a chunk or a window was given up (the persist or the snapshot ended)."""
 
 
-def resolve_budget(host_memory: int | float, state_bytes: int, roots: int = 1, whole_bytes: int = 0) -> int:
+def resolve_budget(host_memory: int | float, state_bytes: int, roots: int = 1, whole_bytes: int = 0,
+                   work: float = 0.0) -> int:
     """Bytes of the budget ``host_memory`` (bytes, or a fraction of a state of ``state_bytes``;
     a fraction of a tiny state is raised to the least that works: ``whole_bytes`` copied whole
     plus :func:`minimum_budget`)."""
     if isinstance(host_memory, float):
-        return max(whole_bytes + minimum_budget(roots), int(host_memory * state_bytes))
+        return max(whole_bytes + minimum_budget(roots, work), int(host_memory * state_bytes))
     return int(host_memory)
 
 
-def check_budget(host_memory, roots: int = 1, whole_bytes: int = 0) -> None:
+def check_budget(host_memory, roots: int = 1, whole_bytes: int = 0, work: float = 0.0) -> None:
     """Refuse a ``host_memory`` that cannot work (at construction), naming the minimum;
-    ``whole_bytes``: what a snapshot copies whole beside the chunks (module buffers)."""
+    ``whole_bytes``: what a snapshot copies whole beside the chunks (module buffers); ``work``:
+    what codecs encoding the chunks hold (:func:`codec_chunks`)."""
     if host_memory is None:
         return
     if isinstance(host_memory, bool) or not isinstance(host_memory, (int, float)):
@@ -88,10 +123,18 @@ def check_budget(host_memory, roots: int = 1, whole_bytes: int = 0) -> None:
             raise ValueError(f"host_memory={host_memory!r}: a float is a fraction of the state's bytes, in (0, 1]; "
                              f"pass an int for a number of bytes")
         return
-    low = minimum_budget(roots) + whole_bytes
+    low = minimum_budget(roots, work) + whole_bytes
     if host_memory < low:
         whole = (f" plus the {whole_bytes} bytes of module buffers and bare tensors, copied whole before step "
                  f"returns (the next forward mutates them)" if whole_bytes else "")
+        if work:
+            raise ValueError(
+                f"host_memory={host_memory} bytes cannot work with these codecs: snapshots stream through at least "
+                f"{min_chunks(roots)} chunks and the writer encodes them chunk by chunk, which holds "
+                f"{codec_chunks(work, roots):g} chunks' worth more (encoded frames in flight and the codecs' "
+                f"temporaries, {roots} root(s)), each chunk at least {CODEC_MIN_CHUNK} bytes{whole}, so the minimum "
+                f"is {low} bytes (faster from tens of MiB: chunks of up to {CHUNK_MAX >> 20} MiB); chain codecs' "
+                f"references (Incremental, LCDelta) are host memory outside this budget")
         raise ValueError(f"host_memory={host_memory} bytes cannot work: snapshots stream through at least "
                          f"{min_chunks(roots)} chunks of one {ALIGN}-byte page ({roots} root(s)){whole}, so the "
                          f"minimum is {low} bytes (faster from a few MiB: chunks of up to {CHUNK_MAX >> 20} MiB)")
@@ -133,12 +176,12 @@ class ChunkPool:
     written before its state, and a row's words in the order its sequence lock relies on)."""
 
     def __init__(self, budget: int, *, pin: bool = False, least: int = MIN_CHUNKS, shared: bool = False,
-                 shm_dir: str | None = None, keeps_hung_writers: bool = False):
-        if budget < least * ALIGN:
+                 shm_dir: str | None = None, keeps_hung_writers: bool = False, chunk_bytes: int | None = None):
+        if budget < least * max(ALIGN, chunk_bytes or 0):
             raise ValueError(f"a chunk pool of {budget} bytes is too small: it needs {least} chunks of at least "
-                             f"{ALIGN} bytes ({least * ALIGN} bytes)")
+                             f"{max(ALIGN, chunk_bytes or 0)} bytes ({least * max(ALIGN, chunk_bytes or 0)} bytes)")
         self.budget = budget
-        self.chunk_bytes = chunk_size(budget, least)
+        self.chunk_bytes = chunk_bytes or chunk_size(budget, least)
         self.count = budget // self.chunk_bytes
         self.pin = pin
         self.path: str | None = None

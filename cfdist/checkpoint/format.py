@@ -47,6 +47,23 @@ id, so a step replaced by another run is never mistaken for the one encoded agai
 retention keeps them), ``codecs`` (the codecs and parameters of the Checkpointer) and
 ``bytes_stored``. ``safetensors.torch.load_file`` still opens such a shard, but encoded tensors
 come out as their uint8 bytes: read them with ``cfdist.load``.
+
+**Framed shards** (codecs under a host-memory budget, ``Checkpointer(host_memory=..., codecs=[...])``).
+The snapshot streams through chunks and is encoded window by window, so a shard's encoded size
+is known only once it was written: such a shard is ``shard-i-of-n.frames``, the tensors' bytes
+back to back from byte 0 with no header (the manifest alone describes them; offsets, sizes and
+checksums as above). A tensor no codec selects is stored as it is (at a multiple of 8 bytes).
+An encoded tensor is still one contiguous 1-D ``U8`` range, cut into independently decoded
+*frames*; its manifest entry has ``logical`` as above, ``codecs`` (the names of the codecs its
+frames used, for readers that only ask which ones) and::
+
+    "frames": [[offset, nbytes, start, count, shape, codecs, parts], ...]
+
+``offset``/``nbytes``: the frame's bytes within the tensor's stored range; ``start``/``count``:
+the elements of the flattened tensor it decodes to (the frames tile the tensor in order);
+``shape``: the array the codecs saw (``[rows, ...]`` for whole rows, ``[1, n]`` for part of a
+row at a window's edge); ``codecs``/``parts``: as for a whole tensor (``[]``/``null``: stored
+raw). A chain codec's frame decodes against the same elements of its reference.
 """
 
 from __future__ import annotations
@@ -62,7 +79,9 @@ import torch
 FORMAT = "cfdist/1"
 MANIFEST = "MANIFEST.json"
 STEP_RE = re.compile(r"^step-(\d{9,})$")
-SHARD_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.safetensors$")
+SHARD_RE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.(safetensors|frames)$")
+FRAMES_EXT = ".frames"
+"""A shard written with codecs under a host-memory budget: no header (see the module doc)."""
 TMP_MARK = ".tmp-"
 
 ST_DTYPES = {
@@ -87,8 +106,13 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def shard_name(i: int, n: int) -> str:
-    return f"shard-{i:05d}-of-{n:05d}.safetensors"
+def shard_name(i: int, n: int, *, framed: bool = False) -> str:
+    return f"shard-{i:05d}-of-{n:05d}" + (FRAMES_EXT if framed else ".safetensors")
+
+
+def is_framed(file: str) -> bool:
+    """Whether a manifest's shard file is a framed shard (no safetensors header)."""
+    return file.endswith(FRAMES_EXT)
 
 
 @dataclass(frozen=True, slots=True)

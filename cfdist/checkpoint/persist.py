@@ -370,6 +370,70 @@ def _stream_chunks(header: bytes, stream, entries: list[TensorEntry], sums: dict
         sums[e.name] = hashes.pop(e.name, xxhash.xxh3_64()).hexdigest()
 
 
+def _stream_frames(stream, entries: list[TensorEntry], session, sums: dict, shard: codecs.EncodedShard, *,
+                   check):
+    """A framed shard (codecs under a host-memory budget; :mod:`cfdist.checkpoint.format`) from a
+    :class:`~cfdist.checkpoint.chunks.ShardStream`: each window encoded as soon as the snapshot
+    copied it (:class:`~cfdist.checkpoint.codecs.pipeline.TensorFrames`), every tensor's stored
+    bytes hashed on the way; ``shard`` gets each tensor's entry and manifest fields once it
+    ended. No header: the encoded sizes are known only once written, and the manifest says
+    where everything is.
+
+    Every window's chunk goes back to the pool as soon as it was encoded: what is handed to the
+    write is the frames' own memory, and the bytes stored as they are (tensors no codec selects,
+    frames a codec left alone) are copied out of the chunk. The items written vary in size, so
+    an ``O_DIRECT`` write may still read an item many items back (it copies small ones through
+    its bounce buffer and sends large aligned ones from their own memory): only a copy is safe
+    to hand over. The memory in flight is then those writes' frames, which the budget sets
+    aside (:func:`~cfdist.checkpoint.chunks.codec_chunks`)."""
+    pos = 0
+    cur = None   # (entry, TensorFrames or None, hasher, start) of the tensor being written
+    k = 0
+
+    def finish(e, frames, h, start) -> None:
+        if frames is None:
+            shard.entries.append(TensorEntry(e.name, e.shard, e.dtype, e.shape, start, pos - start))
+        else:
+            shard.entries.append(TensorEntry(e.name, e.shard, torch.uint8, (pos - start,), start, pos - start))
+            shard.extra[e.name] = frames.extra()
+        sums[e.name] = h.hexdigest()
+
+    for w in range(stream.windows):
+        check()   # a persist given up stops encoding at its next window
+        mv = stream.get(w, check)
+        a, b = stream.window(w)
+        chunk = np.frombuffer(mv, dtype=np.uint8)
+        outs: list[memoryview] = []
+        while k < len(entries) and entries[k].offset < b:
+            e = entries[k]
+            if cur is None:   # the tensor starts here
+                frames = codecs.TensorFrames(session, e)
+                frames = frames if frames.encoded else None
+                if frames is None and pos % 8:   # as stored, at its dtype's alignment
+                    pad = 8 - pos % 8
+                    outs.append(memoryview(bytes(pad)))
+                    pos += pad
+                cur = (e, frames, xxhash.xxh3_64(), pos)
+            e, frames, h, start = cur
+            lo, hi = max(a, e.offset), min(b, e.offset + e.nbytes)
+            piece = chunk[lo - a:hi - a]
+            for buf, view in ([(piece, True)] if frames is None else frames.encode(lo - e.offset, piece)):
+                if not len(buf):
+                    continue
+                buf = memoryview(np.array(buf, copy=True) if view else buf)   # see above
+                h.update(buf)
+                pos += len(buf)
+                outs.append(buf)
+            if hi < e.offset + e.nbytes:
+                break   # continues in the next window
+            finish(e, frames, h, start)
+            cur, k = None, k + 1
+        stream.written(w)   # nothing handed to the write points into it
+        yield from outs
+    for e in entries[k:]:   # empty tensors at the shard's end
+        finish(e, None, xxhash.xxh3_64(), pos)
+
+
 def _back_to_back(entries: list[TensorEntry]) -> bool:
     off = 0
     for e in entries:
@@ -472,16 +536,21 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
             if s.root != r:
                 continue
             stream = arenas[s.index] if job.streams is not None else None
-            if stream is not None:   # no codecs under a budget: the entries as they are
+            framed = stream is not None and enc is not None
+            if framed:   # codecs under a budget: encoded window by window, entries known once written
+                sh = written[s.index] = codecs.EncodedShard([], [], {})
+            elif stream is not None:   # no codecs under a budget: the entries as they are
                 sh = written[s.index] = codecs.EncodedShard(s.entries, [], {})
             else:
                 arena = arenas[s.index].numpy()
                 sh = written[s.index] = codecs.encode_shard(enc, s.entries, arena)
             # data at a page boundary on local roots: O_DIRECT needs it, and a buffered write
             # over a reused file then replaces whole pages (no read of the old ones first)
-            hdr = safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)},
-                                     align=ALIGN if local else 8)
-            if stream is not None:
+            hdr = None if framed else safetensors_header(sh.entries, {"format": "pt", "step": str(job.step)},
+                                                         align=ALIGN if local else 8)
+            if framed:
+                chunks = _stream_frames(stream, s.entries, enc, sums, sh, check=check)
+            elif stream is not None:
                 chunks = _stream_chunks(hdr, stream, sh.entries, sums, lag=writes_in_flight(job.io_threads),
                                         check=check)
             elif enc is None:
@@ -490,7 +559,8 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
                 chunks = _until_given_up(_shard_chunks(hdr, None, sh.entries, sums, sh.buffers), check)
             try:
                 with io_mode(job.io, threads=job.io_threads, reuse=True):
-                    n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count)}", chunks)
+                    n += storages[r].write_file(f"{staging[r]}/{shard_name(s.index, s.count, framed=framed)}",
+                                                chunks)
             finally:
                 if stream is not None:   # every write of it ended: no chunk is read any more
                     stream.release_taken()
@@ -506,7 +576,8 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     else:
         with cf.ThreadPoolExecutor(len(roots), thread_name_prefix="cfdist-stripe") as ex:
             total = sum(ex.map(write_root, roots))
-    shards = [{"file": shard_name(s.index, s.count), "root": s.root, "bytes": written[s.index].nbytes,
+    framed = job.streams is not None and enc is not None
+    shards = [{"file": shard_name(s.index, s.count, framed=framed), "root": s.root, "bytes": written[s.index].nbytes,
                **({"writer": job.writer} if job.writer is not None else {})} for s in job.shards]
     tensors = {e.name: {**e.to_json(sums[e.name]), **written[s.index].extra.get(e.name, {})}
                for s in job.shards for e in written[s.index].entries}
@@ -674,6 +745,8 @@ class ThreadBackend:
     needs_shared_memory = False
     streams = True
     """Writes snapshots streamed through a host-memory budget (:mod:`cfdist.checkpoint.chunks`)."""
+    streams_codecs = True
+    """... and encodes them with codecs as they stream (framed shards)."""
 
     def __init__(self, storages: list[Storage]):
         self.storages = storages
@@ -768,6 +841,8 @@ class ProcessBackend:
     needs_shared_memory = True
     streams = True
     """Reads snapshots streamed through a host-memory budget from a shared chunk pool."""
+    streams_codecs = True
+    """... and encodes them with codecs as they stream (framed shards)."""
 
     def __init__(self, storages: list[Storage], storage_options: dict | None = None):
         for s in storages:

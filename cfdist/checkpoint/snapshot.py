@@ -166,12 +166,15 @@ class Snapshotter:
 
     def __init__(self, *, n_shards: int = 1, shared: bool = False, shm_dir: str | None = None,
                  gpu_headroom: float = GPU_HEADROOM, buffers: int = 1, host_memory: int | float | None = None,
-                 whole_bytes: int = 0, keeps_hung_writers: bool = False):
+                 whole_bytes: int = 0, keeps_hung_writers: bool = False, codec_work: float = 0.0):
         self.buffers = buffers
         self.host_memory = host_memory
+        self.codec_work = codec_work
+        """What codecs encoding the chunks hold, per chunk (0: no codecs); the budget sets
+        :func:`~cfdist.checkpoint.chunks.codec_chunks` aside for it."""
         """The budget (bytes, or a fraction of the state) that snapshots stream through, or None:
         full host arenas. Then ``host`` holds each set's :class:`~cfdist.checkpoint.chunks.ShardStream` s."""
-        chunking.check_budget(host_memory, n_shards, whole_bytes)
+        chunking.check_budget(host_memory, n_shards, whole_bytes, codec_work)
         self.pool: chunking.ChunkPool | None = None
         self._old_pools: list = []   # replaced for a new layout; their files go at close
         self.keeps_hung_writers = keeps_hung_writers
@@ -275,20 +278,23 @@ class Snapshotter:
             self.layout = plan_layout(tensors, self.n_shards)
             self._sig = sig
         state = sum(t.numel() * t.element_size() for t in tensors.values())
-        total = chunking.resolve_budget(self.host_memory, state, self.n_shards, first_bytes)
+        total = chunking.resolve_budget(self.host_memory, state, self.n_shards, first_bytes, self.codec_work)
         budget = total - first_bytes
         least = chunking.min_chunks(self.n_shards)
-        if budget < least * chunking.ALIGN:
+        low = chunking.minimum_budget(self.n_shards, self.codec_work)
+        if budget < low:
             raise ValueError(
                 f"host_memory={self.host_memory!r} ({total} bytes) leaves {budget} bytes for the chunks once the "
                 f"{first_bytes} bytes of tensors the next forward mutates (module buffers, bare tensors: copied "
-                f"whole before step returns) are set aside; it needs at least {first_bytes + least * chunking.ALIGN}")
-        if self.pool is None or self.pool.budget != budget:
+                f"whole before step returns) are set aside; it needs at least {first_bytes + low}")
+        chunk, pool_bytes = chunking.split_budget(budget, self.n_shards, self.codec_work)
+        if self.pool is None or self.pool.budget != pool_bytes or self.pool.chunk_bytes != chunk:
             if self.pool is not None:   # persists in flight may still read it: closed with the rest
                 self._old_pools.append(self.pool)
-            self.pool = chunking.ChunkPool(budget, pin=torch.cuda.is_available() and not self.shared, least=least,
+            self.pool = chunking.ChunkPool(pool_bytes, pin=torch.cuda.is_available() and not self.shared, least=least,
                                            shared=self.shared, shm_dir=self.shm_dir,
-                                           keeps_hung_writers=self.keeps_hung_writers)
+                                           keeps_hung_writers=self.keeps_hung_writers,
+                                           chunk_bytes=chunk if self.codec_work else None)
 
     def _start_streaming(self, tensors: dict[str, torch.Tensor], first) -> None:
         """A budgeted snapshot: ``first`` copied whole now, the rest window by window through

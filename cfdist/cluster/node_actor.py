@@ -703,6 +703,9 @@ class ActorBackend:
     streams = True
     """Takes snapshots streamed through a host-memory budget (a shared chunk pool): the node
     actor writes the windows into the memory tier, and the local tier from the memory tier's files."""
+    streams_codecs = False
+    """...but not with codecs: the local tier is written from the memory tier's shard files as
+    arenas, which codecs under a budget leave encoded frame by frame (refused at construction)."""
     keeps_hung_writers = True
     """A persist given up here is not killed (the node actor lives on): the chunks it may still
     read are retired."""

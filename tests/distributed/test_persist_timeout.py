@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import threading
-from datetime import timedelta
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ import cfdist
 from cfdist.checkpoint.discovery import committed_steps
 from cfdist.storage import open_storage
 from cfdist.testing import hang
-from tests.distributed.ranks import run_ranks
+from tests.distributed.ranks import gloo_cases, run_ranks
 
 COMBOS = [("node", 1, "thread", None), ("node", 2, "thread", None), ("all", 1, "thread", None),
           ("all", 2, "thread", None), ("all", 2, "process", None),
@@ -44,18 +43,9 @@ STEPS, EVERY, HUNG, TIMEOUT_S = 10, 2, 4, 3.0
 
 
 def _worker(rank: int, world: int, store_path: str, root: str, out: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    torch.set_num_threads(1)
-    res = {}
-    try:
-        for writers, buffers, backend, budget in COMBOS:
-            name = f"{writers}-{buffers}-{backend}-{budget}"
-            res[name] = _combo(rank, f"{root}/{name}", writers, buffers, backend, budget)
-    finally:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(res, f)
-        dist.destroy_process_group()
+    gloo_cases(rank, world, store_path, out, [
+        (f"{w}-{b}-{be}-{bu}", lambda w=w, b=b, be=be, bu=bu: _combo(rank, f"{root}/{w}-{b}-{be}-{bu}", w, b, be, bu))
+        for w, b, be, bu in COMBOS])
 
 
 def _combo(rank: int, path: str, writers: str, buffers: int, backend: str, budget: float | None) -> dict:

@@ -21,9 +21,11 @@ described in :mod:`cfdist.checkpoint.format`.
 from cfdist.checkpoint.codecs.base import Codec
 from cfdist.checkpoint.codecs.incremental import Incremental
 from cfdist.checkpoint.codecs.lcdelta import LCDelta
-from cfdist.checkpoint.codecs.pipeline import EncodedShard, LossyCheckpointWarning, begin, decode_tensors, encode_shard, validate_codecs
+from cfdist.checkpoint.codecs.pipeline import (
+    EncodedShard, LossyCheckpointWarning, TensorFrames, begin, decode_tensors, encode_shard, validate_codecs,
+)
 from cfdist.checkpoint.codecs.quantize import Quantize
 from cfdist.checkpoint.codecs.zstd import Zstd
 
-__all__ = ["Codec", "EncodedShard", "Incremental", "LCDelta", "LossyCheckpointWarning", "Quantize", "Zstd", "begin",
+__all__ = ["Codec", "EncodedShard", "Incremental", "LCDelta", "LossyCheckpointWarning", "Quantize", "TensorFrames", "Zstd", "begin",
            "decode_tensors", "encode_shard", "validate_codecs"]

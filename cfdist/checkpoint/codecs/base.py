@@ -85,6 +85,11 @@ class Codec:
     """``"chain"``, ``"value"`` or ``"bytes"`` (the stage it runs in)."""
     name: ClassVar[str]
     lossy: ClassVar[bool]
+    work: ClassVar[float] = 2.0
+    """Host memory its ``encode`` holds at its peak, beside its input, per byte of input
+    (temporaries and output). Under a host-memory budget the persist encodes the snapshot
+    chunk by chunk, and the budget sets this much aside per chunk being encoded
+    (:func:`cfdist.checkpoint.codecs.pipeline.encode_work`)."""
 
     def selects(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         raise NotImplementedError

@@ -81,6 +81,9 @@ class ChainPlan:
         self._lock = threading.Lock()
         self._updates: list = []
         self.used = False
+        self.staged: dict[str, np.ndarray] = {}
+        """Frames (:class:`FramePlan`) of a full checkpoint: each tensor's next reference, filled
+        frame by frame, in place of the old one at the commit."""
 
     def reference(self, name: str, arr: np.ndarray) -> np.ndarray | None:
         """The reference of tensor ``name`` when it can be encoded against one, else None."""
@@ -95,6 +98,12 @@ class ChainPlan:
         checkpoints will encode against this one."""
         if self.full or self.consecutive:
             self.after_commit(lambda refs: refs.__setitem__(name, np.array(arr, copy=True)))
+
+    @staticmethod
+    def keep(arr: np.ndarray) -> np.ndarray:
+        """``arr`` (a view of the snapshot) as it will still be at the commit, for an
+        :meth:`after_commit` update: itself, since the arenas hold their bytes until then."""
+        return arr
 
     def after_commit(self, fn) -> None:
         with self._lock:
@@ -119,3 +128,76 @@ class ChainPlan:
         else:
             st.since_full += 1
             st.links.append((step, ckpt_id))
+
+
+class _FrameRefs:
+    """What an :meth:`ChainPlan.after_commit` update of one frame sees as ``refs``: the frame's
+    elements of each reference (a view of the same shape as the frame), so a codec written for
+    whole tensors updates its frame's part of the reference and nothing else."""
+
+    def __init__(self, refs: dict, frame: FramePlan):
+        self._refs, self._f = refs, frame
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        f = self._f
+        return self._refs[name].reshape(-1)[f.start:f.stop].reshape(f.shape)
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        f = self._f
+        r = self._refs.get(name)
+        if r is None or r.shape != f.full_shape or r.dtype != value.dtype:
+            # the first frame of a tensor written whole: its reference is filled frame by frame
+            r = self._refs[name] = np.empty(f.full_shape, dtype=value.dtype)
+        r.reshape(-1)[f.start:f.stop] = value.reshape(-1)
+
+
+class FramePlan:
+    """A :class:`ChainPlan` as one *frame* of a tensor sees it: elements ``[start, stop)`` of the
+    flattened tensor (``full_shape``), encoded as an array of ``shape``. Under a host-memory budget
+    the persist encodes a snapshot chunk by chunk (:func:`cfdist.checkpoint.codecs.pipeline.encode_frames`),
+    so chain codecs see frames: their reference is the same elements of the tensor's reference,
+    and what they queue for after the commit changes only those (:class:`_FrameRefs`)."""
+
+    def __init__(self, plan: ChainPlan, full_shape: tuple[int, ...], start: int, stop: int, shape: tuple[int, ...]):
+        self.plan, self.full_shape, self.start, self.stop, self.shape = plan, tuple(full_shape), start, stop, shape
+
+    @property
+    def ref(self):
+        return self.plan.ref
+
+    def reference(self, name: str, arr: np.ndarray) -> np.ndarray | None:
+        p = self.plan
+        p.used = True
+        if p.full:
+            return None
+        r = p.state.refs.get(name)
+        if r is None or r.shape != self.full_shape or r.dtype != arr.dtype:
+            return None
+        return r.reshape(-1)[self.start:self.stop].reshape(arr.shape)
+
+    def remember(self, name: str, arr: np.ndarray) -> None:
+        p = self.plan
+        if p.full:
+            # every frame of every tensor is remembered: straight into the next reference, and
+            # the old one (which this checkpoint does not read) goes now, so the references
+            # stay one copy of the selected tensors, not two. Should this persist fail, the
+            # next one finds no reference for the tensor and writes it whole: never wrong.
+            with p._lock:
+                buf, new = p.staged.get(name), False
+                if buf is None:
+                    p.state.refs.pop(name, None)
+                    buf, new = p.staged.setdefault(name, np.empty(self.full_shape, dtype=arr.dtype)), True
+            if new:
+                p.after_commit(lambda refs: refs.__setitem__(name, buf))
+            buf.reshape(-1)[self.start:self.stop] = arr.reshape(-1)
+        elif p.consecutive:
+            copy = self.keep(arr)
+            self.after_commit(lambda refs: refs.__setitem__(name, copy))
+
+    @staticmethod
+    def keep(arr: np.ndarray) -> np.ndarray:
+        """A copy: ``arr`` is a chunk of the snapshot, reused as soon as the frame was written."""
+        return np.array(arr, copy=True)
+
+    def after_commit(self, fn) -> None:
+        self.plan.after_commit(lambda refs: fn(_FrameRefs(refs, self)))

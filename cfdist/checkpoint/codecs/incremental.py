@@ -74,6 +74,7 @@ class Incremental(Codec):
     kind: ClassVar[str] = "chain"
     name: ClassVar[str] = "incremental"
     lossy: ClassVar[bool] = False
+    work: ClassVar[float] = 2.0   # the changed rows and their indices (row comparisons are bounded)
 
     def __post_init__(self):
         if self.full_every is not None and not (isinstance(self.full_every, int) and self.full_every >= 1):
@@ -97,14 +98,18 @@ class Incremental(Codec):
             plan.remember(name, cur)
             return parts, None
         rows = changed_rows(cur, ref)
-        if self.consecutive and len(rows):
-            plan.after_commit(lambda refs: refs[name].__setitem__(rows, cur[rows]))
         meta = {"name": self.name, "ref": plan.ref[0], "ref_id": plan.ref[1], "variant": self.variant}
         if len(rows) == cur.shape[0]:
+            if self.consecutive and len(rows):
+                new = plan.keep(cur)   # a chunk of a budgeted snapshot is reused before the commit
+                plan.after_commit(lambda refs: refs[name].__setitem__(slice(None), new))
             meta["all_rows"] = True
             return parts, meta
+        data = cur[rows]   # a copy (fancy indexing): the increment, and the reference's new rows
+        if self.consecutive and len(rows):
+            plan.after_commit(lambda refs: refs[name].__setitem__(rows, data))
         idx = rows.astype(np.int32 if cur.shape[0] < 2 ** 31 else np.int64)
-        return {"rows": idx, "data": cur[rows]}, meta
+        return {"rows": idx, "data": data}, meta
 
     @staticmethod
     def decode(parts: dict, meta: dict, ctx) -> dict:

@@ -79,6 +79,7 @@ class LCDelta(Codec):
     kind: ClassVar[str] = "chain"
     name: ClassVar[str] = "lcdelta"
     lossy: ClassVar[bool] = True
+    work: ClassVar[float] = 4.0   # the delta, its exponents and symbols, the Huffman code
     consecutive: ClassVar[bool] = True
 
     def __post_init__(self):

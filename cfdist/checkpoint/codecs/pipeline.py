@@ -160,35 +160,120 @@ def encode_shard(session: EncodeSession | None, entries: list[TensorEntry], aren
 
 
 def _encode_one(session: EncodeSession, e: TensorEntry, raw: np.ndarray):
-    chain, value, byte = session.pipeline(e.name, e.dtype, e.shape)
-    if chain is None and value is None and byte is None:
+    codecs = session.pipeline(e.name, e.dtype, e.shape)
+    if codecs == (None, None, None):
         return memoryview(raw), None
-    parts = {"data": raw.view(raw_np_dtype(e.dtype)).reshape(e.shape)}
+    chain = codecs[0]
+    buf, metas, layout = _encode_array(codecs, e.name, e.dtype, raw.view(raw_np_dtype(e.dtype)).reshape(e.shape),
+                                       session.plans[chain.name] if chain is not None else None)
+    if not metas:
+        return buf, None
+    extra = {"codecs": metas, "logical": {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape)}}
+    if layout is not None:
+        extra["parts"] = layout
+    return buf, extra
+
+
+def _encode_array(codecs: tuple, name: str, dtype: torch.dtype, data: np.ndarray, plan):
+    """``(bytes, codec metas, parts layout)`` of ``data`` (raw numpy dtype; a whole tensor or a
+    frame of one) through the ``(chain, value, bytes)`` codecs; ``plan``: the chain codec's.
+    No metas: ``bytes`` are ``data``'s own (a view of it), stored as they are."""
+    chain, value, byte = codecs
+    parts = {"data": data}
     metas = []
     if chain is not None:
-        parts, m = chain.encode(e.name, parts, session.plans[chain.name])
+        parts, m = chain.encode(name, parts, plan)
         if m:
             metas.append(m)
     if value is not None:
-        parts, m = value.encode(e.name, parts, e.dtype)
+        parts, m = value.encode(name, parts, dtype)
         if m:
             metas.append(m)
     if metas:
         layout, bufs = pack_parts(parts)
         blob = b"".join(bufs)
     else:
-        layout, blob = None, raw
+        layout, blob = None, memoryview(data.reshape(-1).view(np.uint8))
     if byte is not None:
         z = byte.compress(blob)
         if z is not None:
             blob = z[0]
             metas.append(z[1])
-    if not metas:
-        return memoryview(raw), None
-    extra = {"codecs": metas, "logical": {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape)}}
-    if layout is not None:
-        extra["parts"] = layout
-    return memoryview(blob) if not isinstance(blob, memoryview) else blob, extra
+    return (blob if isinstance(blob, memoryview) else memoryview(blob)), metas, (layout if metas else None)
+
+
+def encode_work(codecs) -> float:
+    """Host memory, in multiples of the input, that encoding one chunk holds beside the chunk:
+    each codec's temporaries and output (:attr:`~cfdist.checkpoint.codecs.base.Codec.work`)
+    and the packed parts; 0 without codecs. Under a host-memory budget each root's writer
+    encodes one chunk at a time, and the budget sets this much aside for it."""
+    codecs = tuple(codecs or ())
+    return 1.0 + sum(c.work for c in codecs) if codecs else 0.0
+
+
+class TensorFrames:
+    """One tensor of a framed shard (codecs under a host-memory budget), encoded as the
+    snapshot's windows stream by: each window's part of it becomes one or more frames, decoded
+    independently (:func:`_decode_frames`). A frame is whole rows (dimension 0) of the tensor,
+    or the part of one row at a window's edge (shape ``[1, n]``); a window holding the whole
+    tensor gives one frame of its own shape (small tensors encode as they would whole).
+    ``codecs`` is what the session chose for the tensor (chosen once, on the whole tensor's
+    name, dtype and shape)."""
+
+    def __init__(self, session: EncodeSession, e: TensorEntry):
+        self.session, self.e = session, e
+        self.codecs = session.pipeline(e.name, e.dtype, e.shape)
+        self.encoded = self.codecs != (None, None, None)
+        self.raw_dt = raw_np_dtype(e.dtype)
+        self.frames: list[list] = []
+        self.nbytes = 0
+        self._names: set[str] = set()
+
+    def _pieces(self, a: int, b: int):
+        """``(start, stop, shape)`` of the frames for elements ``[a, b)``."""
+        shape = tuple(self.e.shape)
+        if a == 0 and b == math.prod(shape):
+            yield a, b, shape
+            return
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        if a % row:
+            h = min(b, (a // row + 1) * row)
+            yield a, h, (1, h - a)
+            a = h
+        k = (b - a) // row
+        if k:
+            yield a, a + k * row, (k,) + shape[1:]
+            a += k * row
+        if a < b:
+            yield a, b, (1, b - a)
+
+    def encode(self, lo: int, raw: np.ndarray) -> list[tuple[memoryview, bool]]:
+        """Frames of the tensor's bytes ``[lo, lo + len(raw))`` (``raw``: uint8, a view of the
+        chunk): ``[(bytes, is a view of raw)]``, in order; a view must stay in the chunk until
+        it was written, the rest are the frames' own memory."""
+        isz = self.raw_dt.itemsize
+        first = lo // isz
+        out = []
+        chain = self.codecs[0]
+        for a, b, shape in self._pieces(first, first + len(raw) // isz):
+            data = raw[(a - first) * isz:(b - first) * isz].view(self.raw_dt).reshape(shape)
+            plan = None
+            if chain is not None:
+                plan = chain_mod.FramePlan(self.session.plans[chain.name], self.e.shape, a, b, shape)
+            buf, metas, layout = _encode_array(self.codecs, self.e.name, self.e.dtype, data, plan)
+            self.frames.append([self.nbytes, len(buf), a, b - a, list(shape), metas, layout])
+            self._names.update(m["name"] for m in metas)
+            self.nbytes += len(buf)
+            out.append((buf, not metas))
+        return out
+
+    def extra(self) -> dict:
+        """The tensor's manifest fields beside its stored range (see :mod:`cfdist.checkpoint.format`)."""
+        with self.session._lock:
+            self.session.logical += self.e.nbytes
+            self.session.stored += self.nbytes
+        return {"codecs": [{"name": n} for n in sorted(self._names)], "frames": self.frames,
+                "logical": {"dtype": ST_DTYPES[self.e.dtype], "shape": list(self.e.shape)}}
 
 
 # ---- decode ------------------------------------------------------------------------------------
@@ -204,17 +289,58 @@ def lossy_codecs(manifest: dict) -> list[str]:
 
 def _decode_one(stored: torch.Tensor, t: dict, ctx: DecodeContext) -> np.ndarray:
     """One encoded tensor's raw numpy array (its logical shape, raw dtype)."""
-    metas = t["codecs"]
+    if "frames" in t:
+        return _decode_frames(stored.numpy(), t["frames"], ctx)
+    return _decode_blob(stored.numpy(), t["codecs"], t.get("parts"), ctx)
+
+
+def _decode_frames(blob: np.ndarray, frames, ctx: DecodeContext) -> np.ndarray:
+    """A framed tensor (:class:`TensorFrames`): each frame decoded on its own into its elements;
+    a chain codec's frame against the same elements of its reference (decoded once per call)."""
+    raw_dt = raw_np_dtype(ctx.dtype)
+    n = math.prod(ctx.shape)
+    out = np.empty(n, dtype=raw_dt)
+    refs: dict = {}
+    at = 0
+
+    def load_ref(step, ckpt_id, start, stop, shape):
+        if (step, ckpt_id) not in refs:
+            refs[step, ckpt_id] = ctx.load_ref(step, ckpt_id).reshape(-1)
+        return refs[step, ckpt_id][start:stop].reshape(shape)
+
+    if not isinstance(frames, list):
+        raise CheckpointError(f"{ctx.where}: tensor {ctx.name!r}: frames are not a list")
+    for f in frames:
+        try:
+            off, nb, start, count, shape, metas, layout = f
+            ok = (all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, nb, start, count))
+                  and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and math.prod(shape) == count and start == at and off + nb <= len(blob))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{ctx.where}: tensor {ctx.name!r}: frame {f!r} does not fit its "
+                                  f"{len(blob)}-byte payload or does not follow element {at}")
+        fctx = DecodeContext(ctx.name, ctx.dtype, tuple(shape), ctx.where,
+                             lambda s, i, _a=start, _b=start + count, _sh=tuple(shape): load_ref(s, i, _a, _b, _sh))
+        out[start:start + count] = _decode_blob(blob[off:off + nb], metas, layout, fctx).reshape(-1)
+        at += count
+    if at != n:
+        raise CheckpointError(f"{ctx.where}: tensor {ctx.name!r}: its frames hold {at} of {n} elements")
+    return out.reshape(ctx.shape)
+
+
+def _decode_blob(blob: np.ndarray, metas, layout, ctx: DecodeContext) -> np.ndarray:
+    """The raw numpy array (``ctx``'s shape) that codecs ``metas`` encoded into ``blob``."""
     if not isinstance(metas, list) or not all(isinstance(m, dict) and m.get("name") in REGISTRY for m in metas):
         raise CheckpointError(f"{ctx.where}: tensor {ctx.name!r} names unknown codecs {metas!r}; "
                               f"it was written by a newer cfdist")
-    blob = stored.numpy()
     metas = list(metas)
     if metas and metas[-1]["name"] == "zstd":
         blob = np.frombuffer(REGISTRY["zstd"].decompress(blob, metas.pop(), where=ctx.where), dtype=np.uint8)
     raw_dt = raw_np_dtype(ctx.dtype)
-    if "parts" in t:
-        parts = unpack_parts(blob, t["parts"], where=f"{ctx.where} tensor {ctx.name!r}")
+    if layout is not None:
+        parts = unpack_parts(blob, layout, where=f"{ctx.where} tensor {ctx.name!r}")
     else:
         if len(blob) != math.prod(ctx.shape) * raw_dt.itemsize:
             raise CheckpointError(f"{ctx.where}: tensor {ctx.name!r} decodes to {len(blob)} bytes, "
@@ -310,7 +436,7 @@ def to_raw_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def from_raw_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    a = np.ascontiguousarray(a if a.flags.writeable else a.copy())
+    a = np.ascontiguousarray(a if a.flags.writeable else a.copy()).reshape(a.shape)   # (keeps 0-d 0-d)
     if dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
         a = a.view({1: np.uint8, 2: np.int16}[a.itemsize])
     return torch.from_numpy(a).view(dtype)

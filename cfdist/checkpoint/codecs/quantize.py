@@ -136,6 +136,7 @@ class Quantize(Codec):
     kind: ClassVar[str] = "value"
     name: ClassVar[str] = "quantize"
     lossy: ClassVar[bool] = True
+    work: ClassVar[float] = 4.0   # float32 values (2x a bf16 input), their scaled copy, the codes
 
     def __post_init__(self):
         if self.bits not in (8, 4, 2, "auto") or isinstance(self.bits, bool):
@@ -161,6 +162,8 @@ class Quantize(Codec):
         if self.bits == "auto":
             raise RuntimeError("Quantize(bits='auto') must be resolved by the Checkpointer before encoding")
         raw = parts["data"]
+        if raw.size == 0:   # no rows (an increment where none changed): nothing to quantize
+            return parts, None
         k = raw.shape[0]
         x = as_float(raw, dtype).reshape(k, -1).astype(np.float32, copy=False)
         if x.size == 0:

@@ -38,6 +38,7 @@ class Zstd(Codec):
     kind: ClassVar[str] = "bytes"
     name: ClassVar[str] = "zstd"
     lossy: ClassVar[bool] = False
+    work: ClassVar[float] = 1.0   # the frame (never larger than its input: else stored as it was)
 
     def __post_init__(self):
         if not (isinstance(self.level, int) and 1 <= self.level <= 22):

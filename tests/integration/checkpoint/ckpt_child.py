@@ -77,7 +77,8 @@ def crash(a: dict) -> None:
     ``cluster_loops.check_exactly_once``; flushed per step, so a SIGKILL loses none of it).
     ``a["options"]``: storage options (an S3 endpoint); ``a["backend"]``: the persist backend;
     ``a["stats_every"]``: report ``stats-<run>.json`` every that many steps; ``a["buffers"]``: sets
-    of snapshot buffers (2: double buffering); ``a["host_memory"]``: a snapshot budget (streamed).
+    of snapshot buffers (2: double buffering); ``a["host_memory"]``: a snapshot budget (streamed);
+    ``a["codecs"]``: ``[[name in cfdist.codecs, {arguments}], ...]``.
     """
     torch.manual_seed(0)
     hidden, opts = a.get("hidden", 1024), a.get("options") or {}
@@ -92,7 +93,8 @@ def crash(a: dict) -> None:
         warnings.simplefilter("always")
         ckpt = cfdist.Checkpointer(state, a["url"], cfdist.Every(a["k"]), keep=a.get("keep", 1),
                                    storage_options=opts, persist=cfdist.PersistOptions(backend=a.get("backend", "thread")),
-                                   buffers=a.get("buffers", 1), host_memory=a.get("host_memory"))
+                                   buffers=a.get("buffers", 1), host_memory=a.get("host_memory"),
+                                   codecs=[getattr(cfdist.codecs, n)(**kw) for n, kw in a.get("codecs", [])])
         left = leftovers(a["url"], opts)
         restored = ckpt.restore()
     osd = opt.state_dict()["state"]
