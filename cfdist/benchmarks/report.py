@@ -42,7 +42,10 @@ def analyze_block(block: dict, cpu_ref_per_byte: float | None = None) -> dict:
     none = by.get("none", [])
     state_bytes = next((r["state_bytes"] for r in none if "state_bytes" in r), None)
     base_walls = [r["wall_s"] for r in none]
-    none_cpu = {r["repeat"]: r["cpu_s"] for r in none}
+    # CPU of everything but the training thread's forward/backward (runner: cpu_phase_s); results
+    # from before it was recorded difference whole processes
+    cpu_key = "cpu_phase_s" if runs and all("cpu_phase_s" in r for r in runs) else "cpu_s"
+    none_cpu = {r["repeat"]: r[cpu_key] for r in none}
     out = {"name": block["block"]["name"], "workload": block["block"]["workload"],
            "state_mb": block["block"]["state_mb"], "world": block["block"]["world"], "k": block["block"]["k"],
            "describe": block.get("info", {}).get("describe"), "state_bytes": state_bytes,
@@ -50,7 +53,7 @@ def analyze_block(block: dict, cpu_ref_per_byte: float | None = None) -> dict:
            "phase_s": _med([statistics.median(r["phases"]) for r in none]), "methods": {}}
     for m, rs in by.items():
         stalls = [measure.outside_stall(r["phases"], r["checkpoints"]) for r in rs if r["checkpoints"]]
-        cpu = [(r["cpu_s"] - none_cpu.get(r["repeat"], _med(list(none_cpu.values())))) / r["checkpoints"]
+        cpu = [(r[cpu_key] - none_cpu.get(r["repeat"], _med(list(none_cpu.values())))) / r["checkpoints"]
                for r in rs if r["checkpoints"] and none_cpu and m != "none"]
         d = {"runs": len(rs), "checkpoints": _med([r["checkpoints"] for r in rs]),
              "stall_s": measure.spread(stalls), "cpu_s": measure.spread(cpu),

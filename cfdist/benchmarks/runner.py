@@ -70,23 +70,31 @@ def _one_run(block: Block, method: str, w, model, pg, root: str, rank: int, rep:
     m = make(method, model=model, opt=w.optimizer, outdir=outdir, rank=rank, world=block.world,
              k=block.k, pg=pg)
     phases, flags = [], []
-    t_start = cpu0 = None
+    t_start = cpu0 = train0 = None
+    phase_cpu = 0.0   # the training thread's CPU inside the optimizer phase (step + checkpoint calls)
     try:
         for i in range(1, block.warmup + block.steps + 1):
             if i == block.warmup + 1:
                 dist.barrier()
-                t_start, cpu0 = time.perf_counter(), measure.cpu_reading()
+                t_start, cpu0, train0 = time.perf_counter(), measure.cpu_reading(), time.thread_time()
             w.optimizer.zero_grad(set_to_none=False)
             w.loss(model, w.batch(i)).backward()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             took = m.phase(i)
             if i > block.warmup:
                 phases.append(time.perf_counter() - t0)
                 flags.append(bool(took))
+                phase_cpu += time.thread_time() - c0
         t_end = time.perf_counter()
+        c0 = time.thread_time()
         m.drain()
+        phase_cpu += time.thread_time() - c0
         t_drained = time.perf_counter()
         cpu = measure.cpu_delta(cpu0, measure.cpu_reading())
+        # what the training thread spent outside the optimizer phases (forward, backward): the
+        # same work for every method, and most of the process's CPU, so it is left out of the
+        # checkpoint's CPU (its run-to-run noise swamped a checkpoint's share in the difference)
+        outside = (time.thread_time() - train0) - phase_cpu
         stats = m.stats()
     finally:
         m.close()
@@ -95,7 +103,7 @@ def _one_run(block: Block, method: str, w, model, pg, root: str, rank: int, rep:
         shutil.rmtree(outdir, ignore_errors=True)
     return {"block": block.name, "method": method, "repeat": rep, "rank": rank, "phases": phases,
             "checkpoint_steps": flags, "wall_s": t_end - t_start, "drain_s": t_drained - t_end,
-            "cpu_s": cpu, "stats": stats}
+            "cpu_s": cpu, "cpu_phase_s": cpu - outside, "stats": stats}
 
 
 def _die_with_parent() -> None:
@@ -210,6 +218,7 @@ def merge_run(ranks: list[dict]) -> dict:
     out = {"method": r0["method"], "repeat": r0["repeat"], "phases": phases, "checkpoint_steps": flags,
            "checkpoints": sum(flags), "wall_s": max(r["wall_s"] for r in ranks),
            "drain_s": max(r["drain_s"] for r in ranks), "cpu_s": sum(r["cpu_s"] for r in ranks),
+           **({"cpu_phase_s": sum(r["cpu_phase_s"] for r in ranks)} if all("cpu_phase_s" in r for r in ranks) else {}),
            "cpu_s_per_rank": [r["cpu_s"] for r in ranks], "phases_per_rank": [r["phases"] for r in ranks],
            "stats": r0["stats"]}
     if "state_bytes" in r0:

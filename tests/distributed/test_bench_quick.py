@@ -33,6 +33,8 @@ def test_bench_quick_writes_results_report_and_plots_for_every_method(tmp_path):
     for m, r in runs.items():
         assert r["checkpoints"] == 2 and len(r["phases"]) == 4 and all(p > 0 for p in r["phases"]), m
         assert r["wall_s"] > 0 and r["cpu_s"] > 0, m
+        # the checkpoint's share: the process's CPU but the training thread's forward/backward
+        assert 0 < r["cpu_phase_s"] < r["cpu_s"], (m, r["cpu_phase_s"], r["cpu_s"])
         assert not (r["stats"] or {}).get("errors"), (m, r["stats"])
     for m in ("cfdist", "cfdist.process", "cfdist.roots2", "cfdist.roots4"):
         assert runs[m]["stats"]["checkpoints"] >= 2 and runs[m]["stats"]["bytes"] > 0, m

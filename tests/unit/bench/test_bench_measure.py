@@ -100,6 +100,22 @@ def test_analysis_ratios_against_the_same_runs_baselines():
     assert met[report.TARGETS["cpu"]] is False and met[report.TARGETS["persist"]] is True
 
 
+def test_cpu_per_checkpoint_leaves_out_the_training_threads_forward_and_backward():
+    """Runs that recorded ``cpu_phase_s`` (all but the training thread's forward/backward) are
+    compared on it: the whole process's CPU, whose noise swamped a checkpoint's share, is not
+    used (here cfdist's whole process even used less than the baseline's)."""
+    res = synthetic_results()
+    for r in res["blocks"][0]["runs"]:
+        r["cpu_phase_s"] = {"none": 0.3, "cfdist": 0.5}.get(r["method"], 1.0)
+        if r["method"] == "cfdist":
+            r["cpu_s"] = 3.0
+    cf = report.analyze(res)["blocks"][0]["methods"]["cfdist"]
+    assert cf["cpu_s"]["median"] == pytest.approx(0.1)                   # (0.5 - 0.3) / 2 checkpoints
+    del res["blocks"][0]["runs"][0]["cpu_phase_s"]                       # one run without it: whole processes
+    cf = report.analyze(res)["blocks"][0]["methods"]["cfdist"]
+    assert cf["cpu_s"]["median"] == pytest.approx((3.0 - 4.0) / 2)
+
+
 def test_a_noisy_overhead_is_marked_in_the_report():
     res = synthetic_results()
     for r in res["blocks"][0]["runs"]:
