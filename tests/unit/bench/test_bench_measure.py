@@ -116,6 +116,19 @@ def test_cpu_per_checkpoint_leaves_out_the_training_threads_forward_and_backward
     assert cf["cpu_s"]["median"] == pytest.approx((3.0 - 4.0) / 2)
 
 
+def test_a_cpu_figure_within_the_baselines_own_spread_is_marked_noisy():
+    res = synthetic_results()
+    for r in res["blocks"][0]["runs"]:
+        if r["method"] == "none" and r["repeat"] == 1:
+            r["cpu_s"] = 5.0                                                # 1 s apart over 2 checkpoints
+    a = report.analyze(res)
+    b = a["blocks"][0]
+    assert b["cpu_noise_s"] == pytest.approx(0.5)
+    row = next(r for r in a["targets"] if r["target"] == report.TARGETS["cpu"])
+    assert row["noisy"] is True                                         # cfdist's 0.5 / 0 s: not above it
+    assert "(within noise)" in "\n".join(report.method_table(b))
+
+
 def test_a_noisy_overhead_is_marked_in_the_report():
     res = synthetic_results()
     for r in res["blocks"][0]["runs"]:
