@@ -14,7 +14,8 @@ outside, identically for every method. Methods (names as in ``results.json``):
   (``use_async_staging=False``: staging awaited at once);
 * ``dcp.no_dist``: rank 0 only, ``async_save(no_dist=True)`` with background staging (rank-local);
 * ``cfdist``: ``cfdist.Checkpointer`` (writer thread), ``cfdist.process`` (writer process),
-  ``cfdist.rootsN`` (striped over N storage roots), ``cfdist.auto`` (``Auto(max_overhead=0.035, profile_steps=10)``).
+  ``cfdist.rootsN`` (striped over N storage roots), ``cfdist.auto`` (``Auto(max_overhead=0.035, profile_steps=10)``), ``cfdist.auto.budget25`` (the same
+  under ``host_memory=0.25``).
 
 Every method keeps one committed checkpoint (the previous one is deleted once a newer exists).
 cfdist's snapshot modes: on a CPU machine there is one (host memory); the ``gpu`` mode (a copy
@@ -257,6 +258,14 @@ class CfdistAuto(Cfdist):
     auto = True
 
 
+class CfdistAutoBudget(CfdistAuto):
+    """``Auto`` under a host-memory budget of a quarter of the state: it profiles the streamed
+    snapshot, chunk waits included, and picks its interval from those costs."""
+
+    name = "cfdist.auto.budget25"
+    host_memory = 0.25
+
+
 def _roots(n: int):
     return type(f"CfdistRoots{n}", (Cfdist,), {"name": f"cfdist.roots{n}", "roots": n})
 
@@ -271,7 +280,7 @@ BUDGETS = (100, 50, 25, 10)
 """Host-memory budgets (% of the state) ``cfdist bench`` measures the trade-off at."""
 
 METHODS: dict[str, type[Method]] = {c.name: c for c in (
-    Method, TorchSave, DCPSave, DCPAsync, DCPAsyncAwait, DCPNoDist, Cfdist, CfdistProcess, CfdistAuto,
+    Method, TorchSave, DCPSave, DCPAsync, DCPAsyncAwait, DCPNoDist, Cfdist, CfdistProcess, CfdistAuto, CfdistAutoBudget,
     _roots(2), _roots(3), _roots(4), *(_budget(p) for p in BUDGETS))}
 
 

@@ -195,11 +195,14 @@ def targets(a: dict) -> list[dict]:
         c = main["methods"]["cfdist"].get("cpu_ratio")
         rows.append({"target": TARGETS["cpu"], "measured": f"{c:.2f}x" if c is not None else "n/a",
                      "met": None if c is None else c <= 1.5, "noisy": _cpu_noisy(main, "cfdist")})
-    auto = (_find(a["blocks"], "auto") or [None])[0]
-    if auto and "cfdist.auto" in auto["methods"]:
-        d = auto["methods"]["cfdist.auto"]
+    for auto, m in ((b, m) for b in _find(a["blocks"], "auto") for m in ("cfdist.auto", "cfdist.auto.budget25")
+                    if m in b["methods"]):
+        d = auto["methods"][m]
+        target = TARGETS["auto"] + (f" ({auto['state_bytes'] / 1e6:.0f} MB MLP"
+                                    + (", host_memory=0.25: Auto profiles the streamed snapshot)"
+                                       if m.endswith("budget25") else ")") if auto.get("state_bytes") else "")
         ov = d.get("overhead") if d["checkpoints"] else None   # no checkpoint in the window: nothing measured
-        rows.append({"target": TARGETS["auto"],
+        rows.append({"target": target,
                      "measured": (f"k={d['k']}, {d['checkpoints']:g} checkpoints per run: {100 * ov['median']:+.1f}% "
                                   f"(noise {_noise(ov['noise'])})" if ov else
                                   f"k={d['k']}: no checkpoint inside the {auto['steps']}-step window"),

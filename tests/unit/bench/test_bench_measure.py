@@ -226,8 +226,24 @@ def test_auto_target_is_not_measured_when_no_checkpoint_fell_in_the_window():
             _run("cfdist.auto", 0, flat, [False] * 10, 10.1, 4.1, stats={"k": 43})]
     res["blocks"].append({"block": {"name": "auto", "workload": "mlp", "state_mb": 100, "world": 2, "k": 5,
                                     "steps": 10}, "info": {}, "runs": runs})
-    row = next(r for r in report.analyze(res)["targets"] if r["target"] == report.TARGETS["auto"])
+    row = next(r for r in report.analyze(res)["targets"] if r["target"].startswith(report.TARGETS["auto"]))
     assert row["met"] is None and "k=43: no checkpoint inside the 10-step window" in row["measured"]
+
+
+def test_auto_under_a_budget_gets_its_own_target_row():
+    """The block of Auto under host_memory=0.25 gives one row per Auto method, the budgeted one
+    labelled, each judged on its own overhead."""
+    res = synthetic_results()
+    base = [0.1] * 40
+    runs = [_run("none", 0, base, [False] * 40, 10.0, 4.0, state_bytes=50_000_000),
+            _run("cfdist.auto", 0, base, [i % 10 == 9 for i in range(40)], 10.2, 4.1, stats={"k": 10}),
+            _run("cfdist.auto.budget25", 0, base, [i % 20 == 19 for i in range(40)], 11.0, 4.1, stats={"k": 20})]
+    res["blocks"].append({"block": {"name": "auto", "workload": "mlp", "state_mb": 50, "world": 2, "k": 5,
+                                    "steps": 40}, "info": {}, "runs": runs})
+    rows = [r for r in report.analyze(res)["targets"] if r["target"].startswith(report.TARGETS["auto"])]
+    plain, budgeted = (next(r for r in rows if ("host_memory" in r["target"]) == b) for b in (False, True))
+    assert "50 MB MLP" in plain["target"] and "k=10" in plain["measured"] and plain["met"] is True
+    assert "k=20" in budgeted["measured"] and "+10.0%" in budgeted["measured"] and budgeted["met"] is False
 
 
 def test_stall_target_is_not_met_when_workloads_were_skipped():
