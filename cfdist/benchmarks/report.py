@@ -297,13 +297,16 @@ def markdown(results: dict, a: dict | None = None) -> str:
          f"checkpoints on {fs.get('type')} ({fs.get('device')}, {fs.get('size_gb')} GB"
          f"{', reported rotational' if fs.get('rotational') else ''}); python {mc.get('python')}, "
          f"torch {mc.get('torch')}, ray {mc.get('ray')}; {mc.get('platform')}. Load average at start "
-         f"{_load(mc.get('load_avg_start'))}, at end {_load(mc.get('load_avg_end'))}.", ""]
+         f"{_load(mc.get('load_avg_start'))}, at end {_load(mc.get('load_avg_end'))}"
+         + ("; the scheduler groups CPU time by session (autogroup), so `nice` does not keep other "
+            "sessions' work from competing with the benchmark as an equal" if mc.get("autogroup") else "")
+         + ".", ""]
     if results.get("note"):
         L += [results["note"], ""]
     noisy = [f"{b['workload']}/{b['name']} {m}" for b in a["blocks"] for m, d in b["methods"].items()
              if m != "none" and d.get("overhead") and measure.is_noisy(d["overhead"])]
     if results.get("skipped"):
-        L += [f"**Not run** (past the `--max-minutes` budget): " + ", ".join(
+        L += ["**Not run** (past the `--max-minutes` budget): " + ", ".join(
             f"{b['name']} {b['workload']} {b['state_mb']:g} MB x{b['world']}" for b in results["skipped"]) + ".", ""]
     if noisy:
         L += [f"**Noisy run**: {len(noisy)} wall-overhead figure(s) are within the no-checkpoint runs' own "

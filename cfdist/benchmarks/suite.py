@@ -131,7 +131,20 @@ def machine() -> dict:
             info["memory_gb"] = round(int(f.readline().split()[1]) / 2 ** 20, 1)
     except OSError:
         pass
+    info["autogroup"] = sched_autogroup()
     return info
+
+
+def sched_autogroup() -> bool | None:
+    """Whether Linux groups the CPU time by session (``kernel.sched_autogroup_enabled``): then a
+    ``nice`` given to other work started from another terminal or ``setsid`` does not lower its
+    share against the benchmark, and "niced work beside it" competes as an equal. None where
+    unknown."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return None
 
 
 def filesystem(path: str) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cfdist.benchmarks import measure, report
@@ -278,3 +280,25 @@ def test_only_runs_the_named_blocks_and_refuses_unknown_names():
     assert {b.name for b in only} == {"budget"} and {b.workload for b in only} == {"mlp", "dlrm"}
     with pytest.raises(ValueError, match="only= names blocks"):
         SuiteConfig(only=("bugdet",))
+
+
+def test_report_says_when_the_scheduler_groups_cpu_time_by_session():
+    """With autogroup on, a niced job in another session competes with the benchmark as an
+    equal: the report says so; off or unknown, it says nothing."""
+    res = synthetic_results()
+    res["machine"]["autogroup"] = True
+    assert "groups CPU time by session (autogroup)" in report.markdown(res)
+    for v in (False, None):
+        res["machine"]["autogroup"] = v
+        assert "autogroup" not in report.markdown(res)
+
+
+def test_machine_reads_the_autogroup_setting():
+    from cfdist.benchmarks.suite import machine, sched_autogroup
+
+    path = "/proc/sys/kernel/sched_autogroup_enabled"
+    want = None
+    if os.path.exists(path):
+        with open(path) as f:
+            want = f.read().strip() == "1"
+    assert sched_autogroup() is want and machine()["autogroup"] is want
