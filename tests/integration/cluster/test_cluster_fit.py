@@ -985,3 +985,46 @@ def test_restore_waits_for_the_copy_of_the_step_to_its_node_that_runs_beside_the
         rec = [r for r in ctx._drain() if r["type"] == "restored"]
         assert rec and rec[0]["step"] == 3 and rec[0]["stage_wait_s"] > 0
     ck2.close()
+
+
+def test_holdings_after_a_failure_reads_the_answers_lost_nodes_asked_for_until_the_tiers_change(fake_cluster,
+                                                                                                  tmp_path):
+    """After a failure ``RayBackend.lost_nodes`` sends the node actors' ``holdings`` question
+    beside its probes, and the recovery's ``holdings()`` reads those answers (one round trip
+    less); a durable commit (or a stage) changes the tiers, so after one ``holdings()`` asks
+    again. Real node actors on the fake cluster's nodes, real checkpoints on their local disks."""
+    from cfdist.cluster.config import FitConfig
+    from cfdist.cluster.ray_backend import RayBackend
+
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", run_name="eh", memory_tier=False, num_nodes=2)
+    backend = RayBackend(cfg, run_id="eh", train_fn=None, policy=None)
+    try:
+        nodes = backend.usable_nodes()[:2]
+        backend._ensure_actors(nodes)
+        url = cfg.local_urls(nodes[0].name)[0]
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ck = cfdist.Checkpointer({"model": model, "optim": opt}, url, Every(2), keep=5)
+
+        def steps(n):
+            for _ in range(n):
+                model(torch.ones(1, 2)).sum().backward()
+                ck.step(opt)
+                opt.zero_grad()
+            ck.wait()
+
+        def held():
+            return {h.node_id: h.local for h in backend.holdings()}
+
+        steps(2)
+        assert backend.lost_nodes(nodes) == set()
+        steps(2)   # step 4 commits after the question was sent
+        assert held()[nodes[0].node_id] == (2,)   # the answer lost_nodes asked for
+        assert held()[nodes[0].node_id] == (2, 4)   # read once: asked again
+        assert backend.lost_nodes(nodes) == set()
+        steps(2)
+        backend.commit_durable(nodes, time.time() + 30)   # the tiers change: the early answers are dropped
+        assert held()[nodes[0].node_id] == (2, 4, 6)
+        ck.close()
+    finally:
+        backend.close()
