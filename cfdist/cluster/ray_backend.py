@@ -438,6 +438,8 @@ class RayBackend:
                 refs[n.node_id] = self.actors[n.node_id].stage.remote(choice.step, "peer", self.actors[peer])
             elif tier == "shared":
                 refs[n.node_id] = self.actors[n.node_id].stage.remote(choice.step, "shared")
+        if self._staging:   # copies started for a group that did not start: read, or Ray prints their errors
+            _read_in_background(list(self._staging.values()))
         self._staging = refs
         return dict(refs)
 
@@ -470,6 +472,7 @@ class RayBackend:
             self.last_restart_s = group.start()
         except Exception:
             group.shutdown()
+            _read_in_background(list(staged.values()))   # no rank waits for these copies now
             raise
         group.phases["spare_wait"] = spare_wait_s   # spares still warming up (a failure soon after the last)
         self.group = group
