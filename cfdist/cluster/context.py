@@ -31,6 +31,10 @@ import torch
 from cfdist.checkpoint import Checkpointer, GroupOptions, PersistOptions
 from cfdist.checkpoint.options import LEGACY, from_legacy
 
+_STAGE_WAIT_S = 600.0
+"""How long a rank waits for the copy of the restore step to its node (a peer's copy or a
+download from shared storage: the same bound the driver had when it waited for it)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class RankInfo:
@@ -49,7 +53,8 @@ class TrainContext:
     """Per-rank view of the run. Built by the worker actor; users receive it, never build it."""
 
     def __init__(self, *, info: RankInfo, device: torch.device, tiers: dict, node_actor, policy,
-                 keep: int, restore_step: int | None, restore_tier: str, live: bool = False):
+                 keep: int, restore_step: int | None, restore_tier: str, live: bool = False,
+                 staged: list | None = None):
         self._info = info
         self._live = live
         self.device = device
@@ -60,6 +65,10 @@ class TrainContext:
         self._keep = keep
         self._restore_step = restore_step
         self._restore_tier = restore_tier
+        self._staged = staged
+        """``[ObjectRef]`` of the copy of the restore step to this node's tiers, still running
+        while the group starts (``RayBackend.stage``), or None: nothing is copied here."""
+        self._stage_wait_s: float | None = None
         self._lock = threading.Lock()
         self._records: collections.deque = collections.deque()
         self._preempted = threading.Event()
@@ -192,13 +201,34 @@ class TrainContext:
         self._notify(preempted=True, save=fits)
         return fits, reason
 
+    def _wait_staged(self) -> None:
+        """Before the restore: wait for the copy of the restore step to this node (the driver
+        starts it and the group at once: the copy runs while the ranks rendezvous and build their
+        model). A copy that failed raises here: this attempt fails, and the next recovery
+        chooses again."""
+        if not self._staged:
+            return
+        import ray
+
+        t0 = time.perf_counter()
+        try:
+            ray.get(self._staged[0], timeout=_STAGE_WAIT_S)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            raise RuntimeError(f"rank {self.rank}: step {self._restore_step} could not be copied to this node's "
+                               f"tiers for the restore ({type(e).__name__}: {e})") from e
+        finally:
+            self._stage_wait_s = time.perf_counter() - t0
+        self._staged = None
+
     def _on_restored(self, step: int | None, seconds: float) -> None:
         self._step = step or 0
+        waited = {} if self._stage_wait_s is None else {"stage_wait_s": round(self._stage_wait_s, 6)}
         with self._lock:
             self._records.append({"type": "restored", "rank": self.rank, "step": step or 0,
                                   "tier": self._restore_tier if step else "none",
                                   "restore_s": round(seconds, 6), "t": time.time(),
-                                  "setup_s": round(time.time() - seconds - self._t_start, 6)})
+                                  "setup_s": round(time.time() - seconds - (self._stage_wait_s or 0.0)
+                                                    - self._t_start, 6), **waited})
 
     # ---- driver side (another thread of the worker actor) ------------------------------------------
     def _notify(self, *, preempted: bool, save: bool, halt: bool = False) -> None:
@@ -279,6 +309,8 @@ class _FitCheckpointer(Checkpointer):
     def restore(self, step: int | None = None) -> int | None:
         """Load the step the controller chose (``step`` overrides it); None: nothing to load."""
         want = step if step is not None else self._ctx.restore_step
+        if want is not None:
+            self._ctx._wait_staged()
         t0 = time.perf_counter()
         got = super().restore(want) if want is not None else None
         self._ctx._on_restored(got, time.perf_counter() - t0)

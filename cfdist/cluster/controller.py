@@ -308,7 +308,8 @@ class Controller:
         tier = rec["tier"] if r.get("step") else "none"
         self.events.emit("restored", t=t, step=r["step"], tier=tier, detect_s=round(detect_s, 6),
                          restart_s=round(restart_s, 6), restore_s=round(restore_s, 6),
-                         load_s=r.get("restore_s"), setup_s=r.get("setup_s"), stage_s=round(rec.get("stage_s", 0.0), 6))
+                         load_s=r.get("restore_s"), setup_s=r.get("setup_s"), stage_s=round(rec.get("stage_s", 0.0), 6),
+                         **({"stage_wait_s": r["stage_wait_s"]} if r.get("stage_wait_s") is not None else {}))
 
     def _on_commit(self, st: RunningState, c: dict) -> ControllerState | None:
         key = (c["step"], c["tier"])

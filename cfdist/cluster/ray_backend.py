@@ -26,7 +26,7 @@ from cfdist.cluster.config import FitConfig
 from cfdist.cluster.decisions import Holding, RestoreChoice
 from cfdist.cluster.node_actor import NodeCheckpointer, memory_root
 from cfdist.cluster.nodes import NodeInfo
-from cfdist.cluster.worker_group import ACTOR_GONE, RayWorkerGroup, new_rank_actor
+from cfdist.cluster.worker_group import ACTOR_GONE, RayWorkerGroup, _read_in_background, new_rank_actor
 
 log = logging.getLogger("cfdist.backend")
 
@@ -38,6 +38,9 @@ class NodeLost(RuntimeError):
 
 
 _CALL_S = 60.0
+_EARLY_HOLDINGS_S = 1.0
+"""How long after :meth:`RayBackend.lost_nodes` its early holdings questions stand for
+:meth:`RayBackend.holdings` (a recovery asks within milliseconds; one that waited for nodes asks again)."""
 _DRAIN_S = 0.1
 """How long a poll waits for the node actors' answers to the commit records it asked for (they
 answer in milliseconds; one of a node just lost answers only once Ray's health checks fail).
@@ -68,6 +71,8 @@ class RayBackend:
         self._recycled: set[int] = set()   # id() of spares that are a failed group's survivors
         self._started_only: set[int] = set()   # id() of spares started but not warmed up yet
         self._fn_ref = None
+        self._staging: dict[str, object] = {}   # node id -> ref of the copy :meth:`stage` started, for the next group
+        self._early_holdings: tuple[float, dict] | None = None   # (when, {node id: (actor, ref)}): see lost_nodes
         self._notices: list[dict] = []
         self.group: RayWorkerGroup | None = None
         self.last_restart_s = 0.0
@@ -168,12 +173,12 @@ class RayBackend:
             raise NodeLost(f"node actor(s) could not start on {', '.join(lost)}; nodes Ray reports dead are "
                            f"excluded, the others are tried again")
 
-    def unreachable(self, node_ids) -> set[str]:
+    def unreachable(self, node_ids, *, ray_nodes: list[dict] | None = None) -> set[str]:
         """Of ``node_ids``, those whose raylet no longer accepts a connection
         (:func:`cfdist.cluster.nodes.unreachable`: milliseconds, where Ray takes seconds to
-        declare the node dead)."""
+        declare the node dead). ``ray_nodes``: ``ray.nodes()`` just asked (default: ask now)."""
         want = set(node_ids)
-        eps = {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in ray.nodes()
+        eps = {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in (ray_nodes or ray.nodes())
                if n["NodeID"] in want and n.get("Alive") and n.get("NodeManagerPort")}
         gone = {nid for nid in want if nid not in eps and nid not in self.excluded}   # Ray says dead already
         return gone | nodes_mod.unreachable(eps)
@@ -181,10 +186,16 @@ class RayBackend:
     def lost_nodes(self, nodes: list[NodeInfo], timeout_s: float = 10.0) -> set[str]:
         """Which of ``nodes`` are gone: Ray says dead, their raylet refuses connections (a
         node killed without notice looks alive to Ray until its health checks fail), or their
-        node actor does not answer."""
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        node actor does not answer.
+
+        Called after a failure: the recovery that follows asks every node actor what it holds
+        (:meth:`holdings`), so that question is sent now, beside these probes, and its answers
+        are read there (one round trip less on a recovery's critical path)."""
+        self._ask_holdings_early()
+        ray_nodes = ray.nodes()
+        alive = {n["NodeID"] for n in ray_nodes if n.get("Alive")}
         lost = {n.node_id for n in nodes if n.node_id not in alive or n.node_id in self.excluded}
-        lost |= self.unreachable([n.node_id for n in nodes if n.node_id not in lost])
+        lost |= self.unreachable([n.node_id for n in nodes if n.node_id not in lost], ray_nodes=ray_nodes)
         refs = {n.node_id: self.actors[n.node_id].ready.remote() for n in nodes
                 if n.node_id not in lost and n.node_id in self.actors}
         by_id = {n.node_id: n for n in nodes}
@@ -325,10 +336,14 @@ class RayBackend:
             self._actor_died.add(nid)
             self._forget(nid)
 
-    def _ask_all(self, method: str, *args, timeout: float = _CALL_S, skip=frozenset(), **kwargs) -> dict[str, object]:
+    def _ask_all(self, method: str, *args, timeout: float = _CALL_S, skip=frozenset(), reuse: dict | None = None,
+                 **kwargs) -> dict[str, object]:
         """Call ``method`` on every known actor but those of the nodes in ``skip``; forget the
-        ones that are gone."""
-        refs = {nid: getattr(a, method).remote(*args, **kwargs) for nid, a in self.actors.items() if nid not in skip}
+        ones that are gone. ``reuse``: ``{node_id: (actor, ref)}`` of the same call sent
+        earlier; an actor still the node's reads that answer instead of being asked again."""
+        reuse = reuse or {}
+        refs = {nid: (reuse[nid][1] if nid in reuse and reuse[nid][0] is a else getattr(a, method).remote(*args, **kwargs))
+                for nid, a in self.actors.items() if nid not in skip}
         out = {}
         for nid, ref in refs.items():
             try:
@@ -338,6 +353,22 @@ class RayBackend:
             except ray.exceptions.GetTimeoutError:
                 log.warning("node actor %s did not answer %s within %.0fs; ignoring it", nid[:8], method, timeout)
         return out
+
+    def _ask_holdings_early(self) -> None:
+        """Send :meth:`NodeCheckpointer.holdings` to every node actor now, for the
+        :meth:`holdings` that follows within :data:`_EARLY_HOLDINGS_S` (after a failure: the
+        group is stopped and its live saves are in, so what the nodes hold changes only by a
+        stage or a durable commit, which drop these answers)."""
+        self._drop_early_holdings()
+        self._early_holdings = (time.monotonic(), {nid: (a, a.holdings.remote(with_shared=False))
+                                                   for nid, a in self.actors.items()})
+
+    def _drop_early_holdings(self) -> None:
+        """Forget the early holdings answers (what the nodes hold is about to change); they are
+        read on a background thread, or Ray prints the errors of those whose actor died."""
+        early, self._early_holdings = self._early_holdings, None
+        if early is not None:
+            _read_in_background([ref for _, ref in early[1].values()])
 
     # ---- the controller's questions ----------------------------------------------------------------
     def holdings(self, newest: int | None = None) -> list[Holding]:
@@ -364,7 +395,12 @@ class RayBackend:
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for nid in [n for n in self.actors if n not in alive]:
             self._forget(nid)
-        answers = self._ask_all("holdings", with_shared=False)
+        early, self._early_holdings = self._early_holdings, None
+        reuse = early[1] if early is not None and time.monotonic() - early[0] < _EARLY_HOLDINGS_S else None
+        answers = self._ask_all("holdings", with_shared=False, reuse=reuse)
+        if early is not None:   # answers not used (an actor gone or replaced since): read, or Ray prints their errors
+            _read_in_background([ref for nid, (a, ref) in early[1].items()
+                                 if reuse is None or self.actors.get(nid) is not a])
         out = [Holding(node_id=nid, memory=tuple(h["memory"]), local=tuple(h["local"]))
                for nid, h in answers.items()]
         if self.config.shared_url():
@@ -387,7 +423,14 @@ class RayBackend:
             return []
 
     def stage(self, choice: RestoreChoice, nodes: list[NodeInfo]) -> dict:
+        """Start copying ``choice``'s step to the nodes that lack it (from a peer's actor, or
+        from shared storage) and return at once: ``{node_id: ObjectRef}`` of the copies. The
+        next :meth:`start_group` hands each to its node's ranks, and ``ckpt.restore()`` waits
+        for it: the copy runs while the group forms and the ranks build their model, not before
+        (it was 30-60 ms of a killed rank's 0.2 s recovery). A copy that fails makes that
+        attempt fail (its ranks raise, naming it), and the next recovery chooses again."""
         self._ensure_actors(nodes)
+        self._drop_early_holdings()
         refs = {}
         for n in nodes:
             tier, peer = choice.sources.get(n.node_id, ("none", None))
@@ -395,15 +438,19 @@ class RayBackend:
                 refs[n.node_id] = self.actors[n.node_id].stage.remote(choice.step, "peer", self.actors[peer])
             elif tier == "shared":
                 refs[n.node_id] = self.actors[n.node_id].stage.remote(choice.step, "shared")
-        return {nid: ray.get(ref, timeout=600) for nid, ref in refs.items()}
+        if self._staging:   # copies started for a group that did not start: read, or Ray prints their errors
+            _read_in_background(list(self._staging.values()))
+        self._staging = refs
+        return dict(refs)
 
     def start_group(self, nodes: list[NodeInfo], choice: RestoreChoice, attempt: int,
                     dead_pids: list[int]) -> RayWorkerGroup:
         self._ensure_actors(nodes)
         peers = [self.actors[n.node_id] for n in nodes[1:]]   # node 0 asks them for shared-upload slices
-        ray.get([self.actors[n.node_id].begin_attempt.remote(attempt, shared_writer=(i == 0), dead_pids=dead_pids,
+        # answered before the ranks run (the group waits for them), not before they rendezvous
+        begun = [self.actors[n.node_id].begin_attempt.remote(attempt, shared_writer=(i == 0), dead_pids=dead_pids,
                                                              peers=peers if i == 0 else [])
-                 for i, n in enumerate(nodes)], timeout=_CALL_S)
+                 for i, n in enumerate(nodes)]
         if self._fn_ref is None:
             self._fn_ref = ray.put(self.train_fn)
         t_wait = time.perf_counter()
@@ -415,15 +462,17 @@ class RayBackend:
             # the job's first group: its spares start beside its ranks (start-up, not training,
             # pays their imports); they warm up once it runs (refill_spares)
             self._refill_spares(nodes, warm=False)
+        staged, self._staging = self._staging, {}
         group = RayWorkerGroup(config=self.config, nodes=nodes, node_actors=[self.actors[n.node_id] for n in nodes],
                                tiers=[self.tiers[n.node_id] for n in nodes], attempt=attempt,
                                train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares,
-                               unreachable=self.unreachable)
+                               unreachable=self.unreachable, staged=staged, begun=begun)
         group.recycled = recycled
         try:
             self.last_restart_s = group.start()
         except Exception:
             group.shutdown()
+            _read_in_background(list(staged.values()))   # no rank waits for these copies now
             raise
         group.phases["spare_wait"] = spare_wait_s   # spares still warming up (a failure soon after the last)
         self.group = group
@@ -491,6 +540,7 @@ class RayBackend:
         node that holds it; all within ``deadline`` (wall time). Returns ``{"step", "tier",
         "t"}`` of the newest durable commit (``"shared"`` or ``"local"``), or None when no node
         holds one (memory tier only, or nothing committed)."""
+        self._drop_early_holdings()   # the local tiers change now
         actors = [(n, self.actors[n.node_id]) for n in nodes if n.node_id in self.actors]
         refs = {a.make_durable.remote(): n for n, a in actors}
         # Not past the kill (plus a moment: a halted group's live saves went to disk already,

@@ -122,7 +122,9 @@ class ClusterBackend(Protocol):
         (nothing can be newer)."""
 
     def stage(self, choice: RestoreChoice, nodes: list[NodeInfo]) -> dict:
-        """Copy the chosen checkpoint to the nodes that lack it; returns ``{node_id: seconds}``."""
+        """Copy the chosen checkpoint to the nodes that lack it. The copies may still run when
+        it returns: the next :meth:`start_group`'s ranks then wait for their node's copy before
+        restoring (a copy that fails fails that attempt)."""
 
     def start_group(self, nodes: list[NodeInfo], choice: RestoreChoice, attempt: int,
                     dead_pids: list[int]) -> WorkerGroup: ...

@@ -148,8 +148,11 @@ class RankWorker:
         return time.perf_counter() - t0
 
     def run(self, train_fn, *, tiers: dict, node_actor, policy, keep: int,
-            restore_step: int | None, restore_tier: str) -> dict:
+            restore_step: int | None, restore_tier: str, staged: list | None = None) -> dict:
         """Run ``train_fn(ctx)`` to the end (blocking); then commit the final checkpoint.
+
+        ``staged``: ``[ObjectRef]`` of the copy of ``restore_step`` to this node, still running
+        (in a list: Ray does not resolve it here); ``ckpt.restore()`` waits for it.
 
         Returns ``{"value": train_fn's return (rank 0), "final_step", "latest_step", "stall_s",
         "seconds"}``. Exceptions propagate to the driver (a failure of this attempt).
@@ -157,7 +160,7 @@ class RankWorker:
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         self.ctx = TrainContext(info=self.info, device=device, tiers=tiers, node_actor=node_actor,
                                 policy=policy, keep=keep, restore_step=restore_step,
-                                restore_tier=restore_tier, live=self.live_timeout_s is not None)
+                                restore_tier=restore_tier, live=self.live_timeout_s is not None, staged=staged)
         t0 = time.perf_counter()
         self._training = True
         self._ended.clear()

@@ -55,7 +55,7 @@ class RayWorkerGroup:
 
     def __init__(self, *, config: FitConfig, nodes: list[NodeInfo], node_actors: list, tiers: list[dict],
                  attempt: int, train_fn, policy, choice: RestoreChoice, spares: dict | None = None,
-                 unreachable=None):
+                 unreachable=None, staged: dict | None = None, begun: list | None = None):
         self.config = config
         self._unreachable = unreachable
         self._gone: set[str] = set()   # nodes whose raylet was found gone after a failure
@@ -69,6 +69,12 @@ class RayWorkerGroup:
         self._train_fn = train_fn
         self._policy = policy
         self._choice = choice
+        self._begun = begun or []
+        """Refs of the node actors' ``begin_attempt`` calls: answered before any rank runs (a
+        persist of this attempt must not reach an actor still in the previous one)."""
+        self._staged = staged or {}
+        """``{node_id: ObjectRef}`` of the copies of the restore step still running (the ranks of
+        that node wait for it before restoring)."""
         self._spares = spares or {}
         """``{node_id: [warm spare actors]}`` to take ranks from before creating new ones."""
         self.reused = 0
@@ -112,12 +118,16 @@ class RayWorkerGroup:
         ray.get([wk.join.remote(host, port) for wk in self.workers], timeout=timeout)
         self.phases = {"spawn": t1 - t0, "rendezvous": time.perf_counter() - t1}
         fn_ref = self._train_fn if isinstance(self._train_fn, ray.ObjectRef) else ray.put(self._train_fn)
+        if self._begun:
+            ray.get(self._begun, timeout=timeout)
         for rank, wk in enumerate(self.workers):
             node_rank = rank // w
+            staged = self._staged.get(self.nodes[node_rank].node_id)
             self._refs[rank] = wk.run.remote(
                 fn_ref, tiers=self._tiers[node_rank], node_actor=self._node_actors[node_rank],
                 policy=self._policy, keep=self.config.keep, restore_step=self._choice.step,
-                restore_tier=self._choice.sources.get(self.nodes[node_rank].node_id, ("none", None))[0])
+                restore_tier=self._choice.sources.get(self.nodes[node_rank].node_id, ("none", None))[0],
+                staged=None if staged is None else [staged])
         return time.perf_counter() - t0
 
     # ---- while running ------------------------------------------------------------------------

@@ -900,3 +900,131 @@ def test_drain_commits_waits_once_for_an_actor_that_does_not_answer_and_not_afte
     ray.get(silent.release.remote())
     ray.wait([held], timeout=60)
     assert [r["step"] for r in be.drain_commits()] == [7], "the silent actor's answer was not read once given"
+
+
+@ray.remote(num_cpus=0)
+class _Gate:
+    """Opened by the test; a staging copy waits for it (a copy that is still running)."""
+
+    def __init__(self):
+        self._open = threading.Event()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def wait(self) -> bool:
+        return self._open.wait(120)
+
+
+@ray.remote(num_cpus=0)
+def _copy_when_open(gate, src: str, dst: str, step: int, fail: bool) -> dict:
+    """What ``NodeCheckpointer.stage`` does (freeze a peer's committed step, commit it here),
+    once the gate opens."""
+    from cfdist.cluster import transfer
+    from cfdist.storage import open_storages
+
+    ray.get(gate.wait.remote())
+    if fail:
+        raise ConnectionError("the peer's node actor died during the copy")
+    frozen = transfer.freeze(open_storages(src), step)
+    transfer.commit_frozen(frozen, step, open_storages(dst), source="peer", keep=2)
+    return {"bytes": transfer.nbytes(frozen), "seconds": 0.0}
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["copied", "copy-failed"])
+def test_restore_waits_for_the_copy_of_the_step_to_its_node_that_runs_beside_the_start(fake_cluster, tmp_path,
+                                                                                        fail):
+    """The driver no longer waits for the copy of the restore step to a node that lacks it
+    (``RayBackend.stage``): the group starts beside it, and ``ckpt.restore()`` on that node
+    waits for the copy (the step is not there before), then loads it; a copy that failed
+    makes the rank raise, naming the step, instead of restoring something else."""
+    from cfdist.cluster.context import RankInfo, TrainContext
+
+    torch.manual_seed(0)
+    src, dst = f"file://{tmp_path}/peer", f"file://{tmp_path}/here"
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = cfdist.Checkpointer({"model": model, "optim": opt}, src, Every(3))
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        ck.step(opt)
+        opt.zero_grad()
+    ck.close()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+
+    gate = _Gate.remote()
+    staged = _copy_when_open.remote(gate, src, dst, 3, fail)
+    info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1, attempt=1)
+    ctx = TrainContext(info=info, device=torch.device("cpu"), tiers={"memory": [dst]}, node_actor=None,
+                       policy=Every(3), keep=2, restore_step=3, restore_tier="peer", staged=[staged])
+    fresh = torch.nn.Linear(4, 2)
+    ck2 = ctx.checkpointer({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=0.1)})
+    out: dict = {}
+
+    def restore():
+        try:
+            out["step"] = ck2.restore()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out["error"] = e
+
+    t = threading.Thread(target=restore, daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive(), f"restore() returned before the copy to its node ran: {out}"
+    assert not os.path.exists(f"{tmp_path}/here/step-000000003")
+    ray.get(gate.open.remote())
+    t.join(60)
+    assert not t.is_alive(), "restore() did not return after the copy finished"
+    if fail:
+        assert "step" not in out
+        assert isinstance(out["error"], RuntimeError) and "step 3 could not be copied" in str(out["error"])
+        assert "ConnectionError" in str(out["error"])
+    else:
+        assert out == {"step": 3}
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+        rec = [r for r in ctx._drain() if r["type"] == "restored"]
+        assert rec and rec[0]["step"] == 3 and rec[0]["stage_wait_s"] > 0
+    ck2.close()
+
+
+def test_holdings_after_a_failure_reads_the_answers_lost_nodes_asked_for_until_the_tiers_change(fake_cluster,
+                                                                                                  tmp_path):
+    """After a failure ``RayBackend.lost_nodes`` sends the node actors' ``holdings`` question
+    beside its probes, and the recovery's ``holdings()`` reads those answers (one round trip
+    less); a durable commit (or a stage) changes the tiers, so after one ``holdings()`` asks
+    again. Real node actors on the fake cluster's nodes, real checkpoints on their local disks."""
+    from cfdist.cluster.config import FitConfig
+    from cfdist.cluster.ray_backend import RayBackend
+
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", run_name="eh", memory_tier=False, num_nodes=2)
+    backend = RayBackend(cfg, run_id="eh", train_fn=None, policy=None)
+    try:
+        nodes = backend.usable_nodes()[:2]
+        backend._ensure_actors(nodes)
+        url = cfg.local_urls(nodes[0].name)[0]
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ck = cfdist.Checkpointer({"model": model, "optim": opt}, url, Every(2), keep=5)
+
+        def steps(n):
+            for _ in range(n):
+                model(torch.ones(1, 2)).sum().backward()
+                ck.step(opt)
+                opt.zero_grad()
+            ck.wait()
+
+        def held():
+            return {h.node_id: h.local for h in backend.holdings()}
+
+        steps(2)
+        assert backend.lost_nodes(nodes) == set()
+        steps(2)   # step 4 commits after the question was sent
+        assert held()[nodes[0].node_id] == (2,)   # the answer lost_nodes asked for
+        assert held()[nodes[0].node_id] == (2, 4)   # read once: asked again
+        assert backend.lost_nodes(nodes) == set()
+        steps(2)
+        backend.commit_durable(nodes, time.time() + 30)   # the tiers change: the early answers are dropped
+        assert held()[nodes[0].node_id] == (2, 4, 6)
+        ck.close()
+    finally:
+        backend.close()
