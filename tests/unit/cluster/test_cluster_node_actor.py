@@ -279,7 +279,7 @@ class ContendedLock:
 
 
 @pytest.mark.parametrize("shared", ["file"], indirect=True)
-def test_a_live_state_for_the_disk_cuts_an_older_disk_write_short(actors):
+def test_a_live_state_for_the_disk_cuts_an_older_disk_write_short(actors, monkeypatch):
     """Every node is about to be taken, so a halted group's live state goes to the disk
     (``save_live(durable=True)``). Step 4's regular persist has committed to the memory tier
     and its disk write is blocked (``cfdist.testing.hang``: a slow disk). The live state of
@@ -288,10 +288,13 @@ def test_a_live_state_for_the_disk_cuts_an_older_disk_write_short(actors):
     does. (On the old code the rank waited for step 4's persist, and the node finished step
     4's disk write first, holding its write lock: 30-80 ms of a ~160 ms grace.) Step 4's
     persist ends with its memory commit, not an error, and the next attempt's disk writes are
-    not cut."""
+    not cut. (A live save gives a persist it waits for up to ``_LIVE_SETTLE_S``, 2 s; raised
+    here, so that a rank that waited for step 4 would never get its live job to the node.)"""
+    from cfdist.checkpoint import checkpointer
     from cfdist.checkpoint.discovery import committed_steps
     from cfdist.testing import hang
 
+    monkeypatch.setattr(checkpointer, "_LIVE_SETTLE_S", 3600.0)
     a, _ = actors
     a.begin_attempt(0, shared_writer=False)
     tiers = a.ready()
@@ -306,7 +309,7 @@ def test_a_live_state_for_the_disk_cuts_an_older_disk_write_short(actors):
         assert disk.entered.wait(30), "step 4's disk write never started"
         disk.arm(hang_after_bytes=None)   # later writes pass; step 4's stays blocked
         a._lock = lock = ContendedLock(a._lock)
-        saved = cf.ThreadPoolExecutor(1).submit(ck.save_live, timeout_s=30, durable=True)
+        saved = cf.ThreadPoolExecutor(1).submit(ck.save_live, timeout_s=600, durable=True)
         assert lock.contended.wait(30), "the live state of step 5 did not reach the node's write lock within 30 s"
         assert disk.hung == 1, "step 4's disk write is no longer blocked"
     finally:
