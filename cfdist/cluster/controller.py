@@ -326,8 +326,9 @@ class Controller:
         node = st.group.node_rank_of(c.get("node_id")) if hasattr(st.group, "node_rank_of") else None
         who = {"writers": c["writers"], "writer_nodes": c.get("nodes")} if "writers" in c else {}   # shared tier
         live = {"live": True} if c.get("live") else {}
+        at = {"committed_at": round(c["committed_at"], 6)} if c.get("committed_at") else {}   # its atomic rename
         self.events.emit("checkpoint_committed", t=c["t"], step=c["step"], tier=c["tier"], node=node,
-                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who, **live)
+                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who, **live, **at)
         if self._grow_to is None or c["step"] < self._grow_step or live:
             return None
         self.events.emit("resize", step=c["step"], world_size=st.group.world_size,

@@ -322,11 +322,12 @@ def test_commits_are_logged_once_per_step_and_tier_in_time_order():
                               GroupStatus(finished=True, results={0: {"final_step": 5}})]])
     ctl, ev = make(be, clock)
     ctl.step()
-    be.commits = [{"t": 1002.0, "step": 4, "tier": "memory", "node_id": N[0].node_id},
+    be.commits = [{"t": 1002.0, "step": 4, "tier": "memory", "node_id": N[0].node_id, "committed_at": 1001.9},
                   {"t": 1002.5, "step": 4, "tier": "memory", "node_id": N[1].node_id}]
     ctl.step()
     order = [(r["event"], r["step"]) for r in ev.records if r["event"] in ("step", "checkpoint_committed")]
     assert order == [("step", 4), ("checkpoint_committed", 4), ("step", 5)]
+    assert ev.of("checkpoint_committed")[0]["committed_at"] == 1001.9   # its atomic rename, before the report
     ts = [r["t"] for r in ev.records]
     assert ts == sorted(ts)
 
