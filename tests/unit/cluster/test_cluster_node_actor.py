@@ -111,6 +111,9 @@ def test_persist_writes_memory_and_local_then_shared_in_background(actors, share
     assert h["memory"] == [6, 8] and h["local"] == [6, 8] and 8 in h["shared"]   # keep=2 (default)
     evs = a.drain_events()
     assert {(e["step"], e["tier"]) for e in evs} >= {(2, "memory"), (2, "local"), (8, "memory"), (8, "local"), (8, "shared")}
+    # a commit is dated by its atomic rename, before its LATEST hint and retention ran and it was reported
+    assert all(0 < e["committed_at"] <= e["t"] for e in evs if e["tier"] != "shared")
+    assert a.make_durable()["t"] == next(e["committed_at"] for e in evs if (e["step"], e["tier"]) == (8, "local"))
     assert a.drain_events() == []
     loaded = cfdist.load(tiers["shared"], 8, **shared[1])["state"]["model"]
     assert torch.equal(loaded["weight"], m.weight.detach())
