@@ -15,9 +15,13 @@ gone, disk kept) and come back at once. ``--kill-noticed`` also SIGKILLs rank 0 
 writer) as soon as every other notice reaches it: then only node 1's copy can commit.
 
 For every notice the driver's event log says which step it had made durable and when
-(``notice_commit``); the table gives, per grace: notices, how many committed before the kill,
-how many lost the step the group was at (the newest step every rank completed, from the
-restore that followed), and the notice-to-commit seconds (median, max). Everything runs in this
+(``notice_commit``: the step's atomic rename on its node, logged by the deadline at the latest;
+committed when that step is no older than the newest step a rank completed, before the kill);
+the table gives, per grace: notices, how many committed before the kill, how many lost the step
+the group was at (the newest step a rank completed, from the restore that followed: in this
+simulation the kill waits for the driver, so a late copy still lands and is restored; a real
+kill would leave the node's newest on-time commit), and the notice-to-commit seconds (median,
+max). Everything runs in this
 one program; results also go to ``bench/results/notices.json``.
 """
 

@@ -559,29 +559,67 @@ class Checkpointer:
         RNG states; the other ranks resume with derived ones (:mod:`cfdist.checkpoint.live`).
         A persist of this Checkpointer still in flight is given up to ``timeout_s`` to commit
         first. ``durable`` (every node is about to be taken: only what reaches disk counts): to
-        the backend's durable tiers (a node actor's local disk, not its memory tier), and the
-        persists in flight are given up instead of waited for unless they are committing (the
-        live state supersedes an older step; a persist of the same step may wait for the RNG
-        states of a rank that died with the notice, while the live state holds this rank's). Raises what the write raised (its own timeout included). Training
-        thread, after the loop was left."""
+        the backend's durable tiers (a node actor's local disk, not its memory tier), and
+        nothing older is waited for: the snapshot not yet submitted is dropped and the
+        persists in flight are given up, except one of the same step at its write or
+        committing (see :meth:`_settle_superseded`; the live state supersedes an older step, and
+        a persist of the same step may wait for the RNG states of a rank that died with the
+        notice, while the live state holds this rank's). Raises what the write raised (its own
+        timeout included). Training thread, after the loop was left."""
         if self._live is None:
             if not self.writer:
                 log.info("rank %d writes no checkpoints: no live state to save", self.rank)
                 return None
             raise RuntimeError("save_live() needs the live state kept at every step: build the Checkpointer "
                                "with group=cfdist.GroupOptions(live=True)")
+        deadline = time.monotonic() + min(timeout_s, _LIVE_SETTLE_S)
         if durable:
-            for p, _ in list(self._inflight):
-                if p.abandon():
-                    log.info("rank %d: the persist of step %d is given up for the live state of step %d",
-                             self.rank, p.step, self._live.step)
-        self._settle_inflight(time.monotonic() + min(timeout_s, _LIVE_SETTLE_S))
+            self._settle_superseded(deadline)
+        else:
+            self._settle_inflight(deadline)
         if self._latest is not None and self._live.floor < self._latest:
             self._live.floor = self._latest
         step, why = self._live.save(self, timeout_s=timeout_s, durable=durable)
         if step is None:
             log.info("rank %d: no live state written (%s)", self.rank, why)
         return step
+
+    def _settle_superseded(self, deadline: float) -> None:
+        """Before a durable live save (every node is about to be taken: only what reaches disk
+        before the kill counts), clear the way for the live state of the last completed step
+        ``n`` without waiting for anything older. The snapshot not submitted yet is dropped:
+        its persist would first wait for every rank's RNG states through the job's store, which
+        lives in rank 0's process (the noticed rank may be killed; that wait cost 0.2 s of a
+        0.16 s grace). The persists in flight are given up, except one of step ``n`` already at
+        its backend's write (its commit is the live save's, and it is further along): that one
+        is waited for, until ``deadline``. One that cannot be given up any more (committing)
+        is waited for only if it holds step ``n``; an older one is left to its backend, whose
+        writer takes the live job after it (a node actor cuts its disk write short:
+        :meth:`~cfdist.cluster.node_actor.NodeCheckpointer.persist`)."""
+        n = self._live.step
+        with self._lock:   # the snapshot thread may be submitting it right now
+            dropped, self._ready = self._ready, None
+        if dropped is not None:
+            log.info("rank %d: the snapshot of step %d is not persisted; the live state of step %d is written "
+                     "instead", self.rank, dropped["step"], n)
+        wait = []
+        for p, _ in list(self._inflight):
+            if p.done():
+                continue
+            if p.step >= n and p.stage == "write":
+                wait.append(p)
+            elif p.abandon():
+                log.info("rank %d: the persist of step %d is given up for the live state of step %d",
+                         self.rank, p.step, n)
+            elif p.step >= n:   # committing: that is the step the live save would write
+                wait.append(p)
+        for p in wait:
+            try:
+                info = p.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - its own error (or timeout), recorded by _harvest
+                continue
+            self._live.floor = max(self._live.floor, info.step)   # _harvest collects in step order only
+        self._harvest(publish=False)
 
     def _settle_inflight(self, deadline: float) -> None:
         """Give the snapshot copy and the persists in flight until ``deadline`` to finish,

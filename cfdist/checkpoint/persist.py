@@ -188,6 +188,10 @@ class CommitInfo:
     reused: int = 0
     """Shard files written over the file of a checkpoint retention deleted (local roots:
     :func:`cfdist.storage.direct.take_reusable`) instead of new ones."""
+    committed_at: float | None = None
+    """Wall time (``time.time()``) at which the checkpoint became durable and visible: its
+    atomic rename (its manifest's PUT on object stores), before the ``LATEST.json`` hint and
+    retention. None: nothing was committed (a slice, only the clearing)."""
 
 
 # ---- who decides a persist's fate: the writer (commit) or the waiter (abandon) ------------------
@@ -607,6 +611,7 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     else:
         _claim_commit(job)
         storages[0].write_file(f"{staging[0]}/{MANIFEST}", [seal_manifest(manifest)])  # == COMMIT
+    committed_at = time.time()
     if enc is not None:
         enc.commit()   # chain codecs' references now point at this checkpoint
     seconds = time.perf_counter() - t0
@@ -617,7 +622,7 @@ def write_checkpoint(storages: list[Storage], job: PersistJob) -> CommitInfo:
     log.debug("committed step %d to %s: %d bytes in %.3fs", job.step, storages[0].url, total, seconds)
     return CommitInfo(step=job.step, url=storages[0].url_of(final), bytes=total, seconds=seconds,
                       deleted=tuple(deleted), bytes_logical=nbytes, reused=len(reused),
-                      io="+".join(sorted({m for m in modes.values() if m})) or None)
+                      io="+".join(sorted({m for m in modes.values() if m})) or None, committed_at=committed_at)
 
 
 def _join_slices(storages: list[Storage], staging: dict[int, str], parts: list[dict], step: int):

@@ -208,8 +208,11 @@ class Controller:
     # ---- RUNNING ------------------------------------------------------------------------------
     def _run(self, st: RunningState) -> ControllerState:
         wait = self.config.poll_s
-        if self._pool is not None and self._pool["halted_at"] is None:   # not past a pool notice's halt
-            wait = min(wait, max(0.0, self._pool["halt_at"] - self.clock()))
+        pool = self._pool
+        if pool is not None and pool["halted_at"] is None:   # not past a pool notice's halt
+            wait = min(wait, max(0.0, pool["halt_at"] - self.clock()))
+        elif pool is not None and not pool.get("accounted"):   # halted: account for it by the kill
+            wait = min(wait, max(0.0, pool["deadline"] - self.clock()))
         status = st.group.poll(wait)
         resize = self._absorb(st, status.records, self.backend.drain_commits())
         for n in getattr(self.backend, "drain_notices", list)():
@@ -220,6 +223,11 @@ class Controller:
             self._halt(st)
         if status.errors:
             return self._on_failure(st, status)
+        if (pool is not None and pool["halted_at"] is not None and not pool.get("accounted")
+                and self.clock() >= pool["deadline"]):
+            # the group halted but has not failed yet (a rank still saves, or its death is not
+            # reported yet): what is durable now is what the kill leaves
+            self._commit_noticed(st.group)
         if status.finished:
             return self._finish(st, status)
         if resize is not None:
@@ -319,8 +327,9 @@ class Controller:
         node = st.group.node_rank_of(c.get("node_id")) if hasattr(st.group, "node_rank_of") else None
         who = {"writers": c["writers"], "writer_nodes": c.get("nodes")} if "writers" in c else {}   # shared tier
         live = {"live": True} if c.get("live") else {}
+        at = {"committed_at": round(c["committed_at"], 6)} if c.get("committed_at") else {}   # its atomic rename
         self.events.emit("checkpoint_committed", t=c["t"], step=c["step"], tier=c["tier"], node=node,
-                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who, **live)
+                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who, **live, **at)
         if self._grow_to is None or c["step"] < self._grow_step or live:
             return None
         self.events.emit("resize", step=c["step"], world_size=st.group.world_size,
@@ -394,25 +403,39 @@ class Controller:
                          reason="every node of the group will be taken: saving the last completed step")
         st.group.halt()
 
-    def _commit_noticed(self, group) -> None:
-        """After the group of a pool notice stopped (halted, or failed meanwhile): every node's
-        newest step into its durable tiers before the kill; logged as ``notice_commit``."""
+    def _group_step(self, group) -> int:
+        """The newest step a rank of ``group`` completed (the ranks' own count: ``step_now``
+        comes from rank 0's records, up to a poll behind)."""
+        try:
+            return max(self.step_now, group.current_step() or 0)
+        except Exception:  # noqa: BLE001 - survivors may be going down too
+            return self.step_now
+
+    def _commit_noticed(self, group, last_step: int | None = None) -> None:
+        """After the group of a pool notice stopped (halted, or failed meanwhile), or at the
+        notice's deadline, whichever comes first: every node's newest step into its durable
+        tiers before the kill; logged once as ``notice_commit``: whether a step no older than
+        ``last_step`` (the newest step a rank completed) was durable by the deadline, counted
+        from the commit's atomic rename on the node (not from when the driver heard of it)."""
         pool = self._pool
+        pool["accounted"] = True
         t0 = self.clock()
         try:
             got = self.backend.commit_durable(group.nodes, pool["deadline"])
         except Exception as e:  # noqa: BLE001 - reported; recovery goes on from what is committed
             log.warning("making the newest step durable before the preemption failed: %s", e)
             got = None
-        fields = {"last_step": self.step_now, "seconds": round(self.clock() - t0, 6),
+        if last_step is None:
+            last_step = self._group_step(group)
+        fields = {"last_step": last_step, "seconds": round(self.clock() - t0, 6),
                   "since_notice_s": round(self.clock() - pool["noticed_at"], 6)}
         if got is None:
             self.events.emit("notice_commit", committed=False, step=None, tier=None, **fields,
                              reason="no node holds a step on a durable tier (local disk or shared storage)")
             return
         margin = pool["deadline"] - got["t"]
-        self.events.emit("notice_commit", committed=margin >= 0, step=got["step"], tier=got["tier"],
-                         margin_s=round(margin, 6), **fields)
+        self.events.emit("notice_commit", committed=margin >= 0 and got["step"] >= last_step, step=got["step"],
+                         tier=got["tier"], margin_s=round(margin, 6), **fields)
 
     def _pool_gone(self, st: RecoveringState) -> bool:
         """Recovery after a pool notice waits for the kill (a group started before it would be
@@ -503,8 +526,8 @@ class Controller:
         else:
             group.shutdown()
         self._dead_pids = group.pids()
-        if self._pool is not None:
-            self._commit_noticed(group)
+        if self._pool is not None and not self._pool.get("accounted"):
+            self._commit_noticed(group, step_at)
         return self._tolerate(failure, st)
 
     def _tolerate(self, failure: Failure, st) -> ControllerState:

@@ -325,8 +325,8 @@ class FailureInjector:
 
     def _take_noticed(self, controller, i: int) -> None:
         """The kill of a preemption whose notice made a pool notice: the job has halted and
-        logged the failure already (``notice_commit``), so this drains or removes the node,
-        whatever the job is doing, and logs ``node_taken``."""
+        accounted for the notice by its deadline (``notice_commit``), so this drains or removes
+        the node, whatever the job is doing, and logs ``node_taken``."""
         e, node_id = self.events[i], self._pool_ids.pop(i)
         self._taken.add(node_id)
         self._down[e.node] = node_id

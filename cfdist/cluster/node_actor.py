@@ -50,7 +50,9 @@ import torch
 from cfdist.checkpoint import slices
 from cfdist.checkpoint.discovery import read_tensors, sweep
 from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TMP_MARK, TensorEntry, shard_name, step_dir
-from cfdist.checkpoint.persist import CommitInfo, GateDir, PersistJob, ShardJob, pid_alive, write_checkpoint
+from cfdist.checkpoint.persist import (
+    CommitGate, CommitInfo, GateDir, PersistAbandoned, PersistJob, ShardJob, pid_alive, write_checkpoint,
+)
 from cfdist.checkpoint.reader import committed_steps, is_committed, map_shard_data, read_manifest
 from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.cluster import transfer
@@ -184,6 +186,9 @@ class NodeCheckpointer:
         self._flushers = 0
         self._commits = 0
         self._durable_at: dict[int, float] = {}   # step -> when it committed on the local tier (recent)
+        self._gates_lock = threading.Lock()
+        self._disk_gates: dict[int, CommitGate] = {}   # step -> its disk write's gate (see _supersede)
+        self._superseded_below = 0
         self._mem_dir = None
         self.mem = self.local = self.shared = None
         self._shared_want: int | None = None
@@ -251,6 +256,8 @@ class NodeCheckpointer:
             self._shared_writer = shared_writer
             self._peers = list(peers)
             self._whole_only = False
+        with self._gates_lock:
+            self._superseded_below = 0   # the next group may restore an older step
         self.forget_workers(dead_pids)
 
     def kill_workers(self, pids) -> list[int]:
@@ -284,6 +291,8 @@ class NodeCheckpointer:
         ``to_disk=False`` (a ``memory_every`` snapshot): the memory tier only; ``memory=False``
         (every node is about to be taken): the local tier only, when the node has one."""
         t0 = time.perf_counter()
+        if to_disk and not memory and self.local is not None:
+            self._supersede(job.step)   # a halted group's live state: nothing older holds it up
         with self._lock:
             if attempt != self._attempt:
                 raise StaleAttempt(f"persist of step {job.step} from attempt {attempt} refused: the "
@@ -301,12 +310,32 @@ class NodeCheckpointer:
                     # came and were given back; the local tier is written from its files
                     jb = dataclasses.replace(job, streams=None, arenas=map_shard_data(
                         self.mem, job.step, [(s.root, shard_name(s.index, s.count)) for s in job.shards]))
-                info = write_checkpoint(sts, jb)
+                gate = None
+                if infos:   # the job's gate went to the memory tier's commit: the disk write gets its own
+                    gate = self._disk_gate(job.step)
+                    if gate is None:
+                        to_disk = False
+                        break
+                    jb = dataclasses.replace(jb, gate=gate)
+                try:
+                    info = write_checkpoint(sts, jb)
+                except PersistAbandoned:
+                    if gate is None or not gate.abandoned():
+                        raise
+                    log.info("node %s: the disk write of step %d was cut short for a newer live state (every "
+                             "node is about to be taken)", self.node_name, job.step)
+                    to_disk = False
+                    break
+                finally:
+                    if gate is not None:
+                        with self._gates_lock:
+                            self._disk_gates.pop(job.step, None)
                 infos.append(info)
                 if tier == "local":
-                    self._durable(job.step)
+                    self._durable(job.step, info.committed_at)
                 self._event("checkpoint_committed", step=job.step, tier=tier, bytes=info.bytes,
-                            persist_s=round(info.seconds, 6), **({"live": True} if job.manifest.get("live") else {}))
+                            persist_s=round(info.seconds, 6), committed_at=info.committed_at,
+                            **({"live": True} if job.manifest.get("live") else {}))
             self._commits += to_disk
             share = to_disk and self._shared_writer and self.shared is not None and (
                 self._commits % self.config.shared_every == 0)
@@ -314,7 +343,30 @@ class NodeCheckpointer:
             self._want_shared(job.step)
         return CommitInfo(step=job.step, url=infos[-1].url, bytes=infos[-1].bytes,
                           bytes_logical=infos[-1].bytes_logical, seconds=time.perf_counter() - t0,
-                          deleted=tuple(sorted(set().union(*(i.deleted for i in infos)))))
+                          deleted=tuple(sorted(set().union(*(i.deleted for i in infos)))),
+                          committed_at=infos[-1].committed_at)
+
+    def _supersede(self, step: int) -> None:
+        """A halted group's live state of ``step`` goes to disk (every node is about to be
+        taken): a regular persist of an older step writing its disk copy now gives it up at its
+        next chunk (its memory copy dies with the node; the live write waits for this lock, and
+        the older disk write took 30-80 ms of a grace of ~160 ms), and one about to start it skips it."""
+        with self._gates_lock:
+            self._superseded_below = max(self._superseded_below, step)
+            older = [(s, g) for s, g in self._disk_gates.items() if s < step]
+        for s, g in older:
+            if g.abandon():
+                log.info("node %s: giving up the disk write of step %d for the live state of step %d",
+                         self.node_name, s, step)
+
+    def _disk_gate(self, step: int) -> CommitGate | None:
+        """The gate of a regular persist's disk write (after its memory commit), which
+        :meth:`_supersede` can give up; None: a live state of a newer step supersedes it already."""
+        with self._gates_lock:
+            if step < self._superseded_below:
+                return None
+            gate = self._disk_gates[step] = CommitGate()
+            return gate
 
     def _node_tiers(self):
         return [t for t in (self.mem, self.local) if t is not None]
@@ -530,8 +582,10 @@ class NodeCheckpointer:
         except OSError as e:
             log.warning("could not remove the uncommitted slices of step %d from %s: %s", step, st.url, e)
 
-    def _durable(self, step: int) -> None:
-        self._durable_at[step] = time.time()
+    def _durable(self, step: int, at: float | None = None) -> None:
+        """``step`` committed on the local tier at ``at`` (wall time of its atomic rename; now
+        when not known)."""
+        self._durable_at[step] = time.time() if at is None else at
         if len(self._durable_at) > 64:
             self._durable_at.pop(min(self._durable_at))
 

@@ -266,3 +266,52 @@ def test_a_live_save_collects_a_finished_persist_without_the_store_whose_host_di
     assert ck1.latest_step == 2
     for ck in out.values():
         ck.abandon()
+
+
+def test_a_durable_live_save_drops_the_snapshot_not_yet_handed_to_its_persist(tmp_path, monkeypatch, caplog):
+    """Step 2 is a checkpoint step, and its copy into the arenas is still running (held here)
+    when the loop fails in step 3: its persist has not started. ``save_live(durable=True)``
+    (every node is about to be taken) does not wait for that copy to hand the snapshot to its
+    persist (under ``cfdist.fit`` that persist would first wait for every rank's RNG states
+    through the job's store, in the process of a rank the notice may have killed): it drops
+    the snapshot and writes step 2 from the live state while the copy is still held. Once the
+    copy ends, nothing else commits. (The old code waited for the copy, up to
+    ``_LIVE_SETTLE_S``, raised here so that such a wait shows.)"""
+    import concurrent.futures as cf
+    import logging
+    import threading
+
+    from cfdist.checkpoint import checkpointer
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.checkpoint.reader import read_manifest
+    from cfdist.storage import open_storage
+
+    monkeypatch.setattr(checkpointer, "_LIVE_SETTLE_S", 3600.0)
+    url = f"file://{tmp_path}/run"
+    run = _objects(url, every=2)
+    ckpt = run[-1]
+    go, held = threading.Event(), threading.Event()
+    copy = ckpt._snap._do_copy
+
+    def held_copy(pairs, stream):   # the copy thread of step 2's snapshot, held until the test says go
+        held.set()
+        assert go.wait(60), "the test never let the copy go"
+        return copy(pairs, stream)
+
+    ckpt._snap._do_copy = held_copy
+    with pytest.raises(Boom):
+        _train(run, STEPS, fail_at=3)
+    assert held.wait(30), "step 2's copy never started"
+    try:
+        with caplog.at_level(logging.INFO, logger="cfdist.checkpointer"):
+            saved = cf.ThreadPoolExecutor(1).submit(ckpt.save_live, timeout_s=600, durable=True)
+            try:
+                assert saved.result(timeout=30) == 2
+            except cf.TimeoutError:
+                pytest.fail("save_live waited for step 2's copy (still held) instead of writing the live state")
+        assert "the snapshot of step 2 is not persisted" in caplog.text
+    finally:
+        go.set()
+    ckpt.abandon()
+    st = open_storage(url)
+    assert committed_steps(st) == [2] and read_manifest([st], 2).get("live"), "step 2 is not the live state's"

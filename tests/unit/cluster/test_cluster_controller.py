@@ -322,11 +322,12 @@ def test_commits_are_logged_once_per_step_and_tier_in_time_order():
                               GroupStatus(finished=True, results={0: {"final_step": 5}})]])
     ctl, ev = make(be, clock)
     ctl.step()
-    be.commits = [{"t": 1002.0, "step": 4, "tier": "memory", "node_id": N[0].node_id},
+    be.commits = [{"t": 1002.0, "step": 4, "tier": "memory", "node_id": N[0].node_id, "committed_at": 1001.9},
                   {"t": 1002.5, "step": 4, "tier": "memory", "node_id": N[1].node_id}]
     ctl.step()
     order = [(r["event"], r["step"]) for r in ev.records if r["event"] in ("step", "checkpoint_committed")]
     assert order == [("step", 4), ("checkpoint_committed", 4), ("step", 5)]
+    assert ev.of("checkpoint_committed")[0]["committed_at"] == 1001.9   # its atomic rename, before the report
     ts = [r["t"] for r in ev.records]
     assert ts == sorted(ts)
 
@@ -554,6 +555,41 @@ def test_a_notice_naming_every_node_halts_the_group_commits_its_last_step_durabl
     be.nodes.append(N[2])               # and the replacement VM joins
     ctl.step()
     assert len(be.groups) == 2 and [n.node_id for n in be.groups[1][0].nodes] == [N[2].node_id]
+
+
+def test_a_halted_group_that_has_not_failed_by_the_deadline_is_accounted_for_at_the_deadline():
+    """The group halted for a pool notice, but its failure is not in by the deadline (a rank
+    still writes its live state, or a noticed rank's death is not reported yet). The kill
+    comes at the deadline, and with it the node actors that say what is durable: the
+    controller polls no later than the deadline and logs ``notice_commit`` then, once, from
+    the nodes' answer (the commit's own time: 0.1 s after the deadline is late), against the
+    newest step a rank completed (the ranks' count, 8: rank 0's records said 1). The failure
+    that follows does not log it again. (On the old code nothing was logged before the
+    failure, when the killed nodes' actors could no longer answer.)"""
+    clock = Clock()
+    be, ctl, ev = _pool_run(clock, None)
+    group = be.groups[0][0]
+    group.current_step = lambda: 8
+    deadline = clock.t + 2.0
+    ctl.on_notice([0, 1], 2.0, source="injected")
+    assert group.halted
+    be.durable = {"step": 8, "tier": "local", "t": deadline + 0.1}
+    waits = []
+    poll = group.poll
+    group.poll = lambda timeout_s: waits.append(timeout_s) or poll(timeout_s)
+    while clock.t < deadline:
+        ctl.step()   # no failure reported yet
+        assert all(w <= deadline - clock.t + 1e-9 for w in waits[-1:]), "a poll would have outlived the deadline"
+        assert not ev.of("notice_commit") and isinstance(ctl.state, RunningState)
+        clock.t += min(0.15, waits[-1])
+    ctl.step()
+    (nc,) = ev.of("notice_commit")
+    assert isinstance(ctl.state, RunningState) and abs(nc["t"] - deadline) < 1e-6
+    assert nc["committed"] is False and nc["step"] == 8 and nc["last_step"] == 8 and nc["margin_s"] == -0.1, nc
+    group.script = group.script[-1:]   # the ranks' PreemptionHalt, late
+    ctl.step()
+    assert isinstance(ctl.state, RecoveringState) and len(ev.of("notice_commit")) == 1
+    assert len(be.durable_calls) == 1
 
 
 def test_nodes_still_up_long_after_a_pool_notices_deadline_are_used_again():

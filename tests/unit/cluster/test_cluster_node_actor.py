@@ -6,8 +6,10 @@ for a peer, and refuses persists from a replaced attempt."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import os
 import pickle
+import threading
 import uuid
 
 import pytest
@@ -44,6 +46,14 @@ class InProcess:
         blob = pickle.dumps(job)
         self.sent_bytes.append(len(blob))
         return FuturePending(self.ex.submit(self.actor.persist, pickle.loads(blob), self.attempt), job.step, job.gate)
+
+    def submit_live(self, job, durable=False):   # as ActorBackend.submit_live, on a thread of its own
+        return FuturePending(self.live_ex.submit(self.actor.persist, pickle.loads(pickle.dumps(job)), self.attempt,
+                                                 durable, not durable), job.step, job.gate)
+
+    @functools.cached_property
+    def live_ex(self):
+        return cf.ThreadPoolExecutor(1)
 
     def close(self):
         self.ex.shutdown()
@@ -101,6 +111,9 @@ def test_persist_writes_memory_and_local_then_shared_in_background(actors, share
     assert h["memory"] == [6, 8] and h["local"] == [6, 8] and 8 in h["shared"]   # keep=2 (default)
     evs = a.drain_events()
     assert {(e["step"], e["tier"]) for e in evs} >= {(2, "memory"), (2, "local"), (8, "memory"), (8, "local"), (8, "shared")}
+    # a commit is dated by its atomic rename, before its LATEST hint and retention ran and it was reported
+    assert all(0 < e["committed_at"] <= e["t"] for e in evs if e["tier"] != "shared")
+    assert a.make_durable()["t"] == next(e["committed_at"] for e in evs if (e["step"], e["tier"]) == (8, "local"))
     assert a.drain_events() == []
     loaded = cfdist.load(tiers["shared"], 8, **shared[1])["state"]["model"]
     assert torch.equal(loaded["weight"], m.weight.detach())
@@ -244,3 +257,75 @@ def test_the_actor_encodes_and_a_chain_travels_whole_to_shared_storage_and_peers
     assert b.holdings()["memory"] == [1, 4]
     assert torch.equal(cfdist.load(b.ready()["memory"], 4)["state"]["model"]["weight"], m.weight.detach())
 
+
+
+class ContendedLock:
+    """A spy around the node actor's write lock: ``contended`` is set once a caller has to
+    wait for it (another write holds it)."""
+
+    def __init__(self, lock):
+        self.lock, self.contended = lock, threading.Event()
+
+    def acquire(self, *args, **kwargs):
+        if self.lock.acquire(blocking=False):
+            return True
+        self.contended.set()
+        return self.lock.acquire(*args, **kwargs)
+
+    def release(self):
+        self.lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+@pytest.mark.parametrize("shared", ["file"], indirect=True)
+def test_a_live_state_for_the_disk_cuts_an_older_disk_write_short(actors, monkeypatch):
+    """Every node is about to be taken, so a halted group's live state goes to the disk
+    (``save_live(durable=True)``). Step 4's regular persist has committed to the memory tier
+    and its disk write is blocked (``cfdist.testing.hang``: a slow disk). The live state of
+    step 5 neither waits for step 4 on the rank nor behind it on the node: the node gives
+    step 4's disk write up, so once the disk moves again step 4 does not reach it and step 5
+    does. (On the old code the rank waited for step 4's persist, and the node finished step
+    4's disk write first, holding its write lock: 30-80 ms of a ~160 ms grace.) Step 4's
+    persist ends with its memory commit, not an error, and the next attempt's disk writes are
+    not cut. (A live save gives a persist it waits for up to ``_LIVE_SETTLE_S``, 2 s; raised
+    here, so that a rank that waited for step 4 would never get its live job to the node.)"""
+    from cfdist.checkpoint import checkpointer
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.testing import hang
+
+    monkeypatch.setattr(checkpointer, "_LIVE_SETTLE_S", 3600.0)
+    a, _ = actors
+    a.begin_attempt(0, shared_writer=False)
+    tiers = a.ready()
+    disk = a.local[0] = hang(a.local[0], hang_after_bytes=0, only="shard")
+    m, opt = _state()
+    backend = InProcess(a)
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, tiers["memory"], cfdist.Every(4), writers=True,
+                             persist=cfdist.PersistOptions(backend=backend), group=cfdist.GroupOptions(live=True))
+    saved = None
+    try:
+        _train(ck, m, opt, 5)   # step 4's persist starts at step 5's forward (the boundary)
+        assert disk.entered.wait(30), "step 4's disk write never started"
+        disk.arm(hang_after_bytes=None)   # later writes pass; step 4's stays blocked
+        a._lock = lock = ContendedLock(a._lock)
+        saved = cf.ThreadPoolExecutor(1).submit(ck.save_live, timeout_s=600, durable=True)
+        assert lock.contended.wait(30), "the live state of step 5 did not reach the node's write lock within 30 s"
+        assert disk.hung == 1, "step 4's disk write is no longer blocked"
+    finally:
+        disk.release()
+    assert saved.result(timeout=30) == 5
+    assert committed_steps(a.local[0]) == [5], "step 4's disk write was finished although step 5 superseded it"
+    assert 4 in committed_steps(a.mem[0])
+    ck.abandon()
+    assert ck.stats["errors"] == 0, ck.stats["last_error"]
+    a.begin_attempt(1, shared_writer=False)   # a new group: its disk writes are not cut
+    m2, opt2 = _state(1)
+    ck2 = cfdist.Checkpointer({"model": m2, "optim": opt2}, tiers["memory"], cfdist.Every(2), writers=True,
+                              persist=cfdist.PersistOptions(backend=InProcess(a, attempt=1)))
+    _train(ck2, m2, opt2, 2)
+    ck2.close()
+    assert 2 in committed_steps(a.local[0])
