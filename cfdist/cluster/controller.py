@@ -498,10 +498,7 @@ class Controller:
         hang, self._hang = self._hang, None
         claimed = (self.injector.claim(kind=kind) if self.injector is not None and hang is None
                    and not (halted and not died) else None)
-        try:
-            step_at = max(self.step_now, group.current_step() or 0)
-        except Exception:  # noqa: BLE001 - survivors may be going down too
-            step_at = self.step_now
+        step_at = self._group_step(group)
         node = next((i for i, n in enumerate(group.nodes) if n.node_id in lost_ids),
                     first.rank // max(1, group.world_size // max(1, len(group.nodes))))
         failure = Failure(kind=kind, step=step_at, rank=None if lost else first.rank, node=node,
