@@ -450,8 +450,14 @@ class Checkpointer:
         stall, self._gate_stall = self._snap.wait_copied() + self._gate_stall, 0.0
         t0 = time.perf_counter()
         out = None
-        if self._live is not None:
-            self._live.in_update = True   # stays set if the update raises: the state is torn
+        live = self._live
+        if live is not None:
+            with live.lock:   # a halt on another thread sees the update under way, or it does not run
+                self._halt_point()
+                live.in_update = True   # stays set if the update raises: the state is torn
+                live.own_updates = optimizer is not None
+        else:
+            self._halt_point()   # a halt announced during this step: its update does not run
         if scaler is not None:
             out = scaler.step(optimizer)
             scaler.update()
@@ -459,9 +465,10 @@ class Checkpointer:
             out = optimizer.step(closure) if closure is not None else optimizer.step()
         update_s = time.perf_counter() - t0
         self._step += 1
-        if self._live is not None:
-            self._live.in_update = False
-            self._live.after_update(self._step, rng_now=not self._fetch_hooked)
+        if live is not None:
+            with live.lock:
+                live.in_update = False
+                live.after_update(self._step, rng_now=not self._fetch_hooked, epoch=self._epoch())
         epoch_end = self._epoch_end()
         took = self._agreed_decision(epoch_end)
         if took:
@@ -677,6 +684,8 @@ class Checkpointer:
             self._closed = True
             for h in self._hooks:
                 h.remove()
+            if self._live is not None:
+                self._live.discard()
             self._snap.close()
             self._pipeline.close()
 
@@ -691,6 +700,8 @@ class Checkpointer:
         self._closed = True
         for h in self._hooks:
             h.remove()
+        if self._live is not None:
+            self._live.discard()
         self._snap.cancel()   # a budgeted copy whose persist will never run stops at its next chunk
         self._snap.close()
         self._pipeline.detach()
@@ -800,8 +811,21 @@ class Checkpointer:
 
     def _halt_point(self) -> None:
         """Between two iterations, right after the boundary (the next hooked fetch or forward,
-        or ``step`` when nothing is hooked): where a subclass may stop training by raising
-        (``cfdist.fit`` does for a preemption notice that names every node). A no-op here."""
+        or ``step`` when nothing is hooked), and in ``step`` right before the update: where a
+        subclass may stop training by raising (``cfdist.fit`` does for a preemption notice
+        that names every node). Raised before the update, the state is still the last
+        completed step's (its boundary copies are in the live state). A no-op here."""
+
+    def _halt_announced(self, *, durable: bool) -> int | None:
+        """Another thread set the flag :meth:`_halt_point` raises on (``cfdist.fit``: a notice
+        that names every node): a writer that keeps the live state and is between a step's
+        boundary and the next update writes that step now, from this thread, while the training
+        thread runs on to the halt (:meth:`LiveState.halt`; ``save_live`` then waits for it).
+        Returns the step whose write began, or None (the training thread's ``save_live``
+        writes, as without this)."""
+        if self._live is None or getattr(self, "_closed", False):
+            return None
+        return self._live.halt(self, durable=durable)
 
     def _on_boundary(self, *args, **kwargs) -> None:
         """The instant between iterations: capture schedulers, plain values and RNG."""

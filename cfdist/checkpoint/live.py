@@ -25,6 +25,19 @@ What is taken from where:
   rank's; a rank it has none for resumes with :func:`~cfdist.checkpoint.state.derived_rng_state`
   of (run seed, rank, step), as after an elastic resume. Documented in the guarantees.
 
+A halt announced on another thread (``cfdist.fit``: a preemption notice that names every
+node, :meth:`LiveState.halt`) while the training thread is between step ``n``'s boundary and
+step ``n + 1``'s update writes step ``n`` at once, from that thread: the parameters and the
+optimizer's state change only inside the update, which the halt keeps from running (the
+training thread raises at the gate before it: ``Checkpointer.step`` checks the halt and enters
+the update under :attr:`LiveState.lock`), and the rest is the boundary's kept copies. The copy
+and the job to the backend overlap the training thread's forward and backward of ``n + 1``
+(or its wait in a collective for a peer that halted first); :meth:`LiveState.save` then waits
+for that job. A halt that finds the update under way, or the step's boundary not yet reached,
+leaves the save to the training thread, which halts at the next boundary (as with no early
+save); so does one for a loop whose update does not go through ``Checkpointer.step`` (the
+early save could not tell whether an update runs).
+
 The per-step cost on a writer (nothing on other ranks) is the data iterators' ``state_dict()``,
 copies of the late entries, the RNG states and the module buffers; they are kept as copies and
 flattened only at a save (flattening every step cost 1.9 ms, five times the rest). The tensors
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 
 from cfdist.checkpoint import state as st
@@ -58,19 +72,31 @@ class LiveState:
         """The newest step known to be on storage (committed or restored): not written again."""
         self.in_update = False
         """True while ``optimizer.step()`` runs (and after it raised: the state is torn)."""
+        self.own_updates = False
+        """Whether the last update ran inside ``Checkpointer.step`` (where :attr:`in_update`
+        and the halt's check are): only then can another thread tell that none runs."""
+        self.lock = threading.Lock()
+        """Orders a halt announced on another thread against the training thread's next update
+        (taken for the halt's check and :attr:`in_update`, :meth:`after_update`, the end of
+        :meth:`at_boundary`, and :meth:`halt`'s decision)."""
+        self.epoch: int | None = None
+        """The data iterator's epoch after step :attr:`step` (the next fetch may start another)."""
         self._data: dict = {}
         self._small: dict | None = None     # late, rng, buffers of ``step``'s boundary
         self._boundary_due = False
+        self._early: tuple | None = None    # (step, Snapshotter, pending job, t0) of a halt's early save
 
     @property
     def trusted(self) -> bool:
         """Whether the live objects hold a completed step (no update was interrupted)."""
         return not self.in_update
 
-    def after_update(self, step: int, *, rng_now: bool) -> None:
+    def after_update(self, step: int, *, rng_now: bool, epoch: int | None = None) -> None:
         """``ckpt.step`` finished step ``step``'s update: keep the data iterators' positions;
-        the rest at the boundary (``rng_now``: no hooked fetch comes first, take the RNG now)."""
+        the rest at the boundary (``rng_now``: no hooked fetch comes first, take the RNG now).
+        Under :attr:`lock`, with :attr:`in_update` cleared."""
         self.step = step
+        self.epoch = epoch
         self._data = {k: copy.deepcopy(st.capture(self.state[k])) for k in self.data_keys}
         self._small = {"rng": st.rng_state()} if rng_now else {}   # copies: the generators move on
         self._boundary_due = True
@@ -80,14 +106,15 @@ class LiveState:
         schedulers, plain values, RNG and module buffers as they are now."""
         if not self._boundary_due:
             return
-        self._boundary_due = False
         # Copies, not flattened yet (that costs more than all of this and is needed only at a save).
-        small = self._small if self._small is not None else {}
+        small = dict(self._small or {})
         small["late"] = copy.deepcopy({k: st.capture(self.state[k]) for k in self.late_keys})
         if "rng" not in small:
             small["rng"] = st.rng_state()
         small["buffers"] = self._buffers()
-        self._small = small
+        with self.lock:   # a halt on another thread sees the step's boundary whole, or not yet
+            self._small = small
+            self._boundary_due = False
 
     _buffer_names: dict | None = None
 
@@ -106,22 +133,51 @@ class LiveState:
             out[k] = {n: live[n].detach().clone() for n in names if n in live}
         return out
 
-    def save(self, ckpt, *, timeout_s: float, durable: bool = False) -> tuple[int | None, str]:
-        """Write step :attr:`step` from the live objects through ``ckpt``'s backend (no store,
-        no collective; ``durable``: to all its tiers, else a backend with ``submit_live`` writes
-        its fastest only); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
-        why)``: the step written, or None and the reason nothing was."""
-        if not ckpt.writer:
-            return None, "this rank does not write checkpoints"
-        if not self.trusted:
-            return None, (f"the failure came inside step {self.step + 1}'s optimizer update: the parameters may be "
-                          f"partly updated, so the live state is not a checkpoint of any step")
-        if self.step == 0:
-            return None, "no step completed in this attempt"
-        if self.floor >= self.step:
-            return None, f"step {self.step} is on storage already"
-        self.at_boundary()   # the failure came before the next boundary: the state is still its own
+    def halt(self, ckpt, *, durable: bool) -> int | None:
+        """Another thread announced a halt (the flag ``ckpt``'s halt check raises on is set):
+        when the training thread is between the boundary of step :attr:`step` and the next
+        update, write that step now, from this thread (copy, then the job to ``ckpt``'s
+        backend; :meth:`save` waits for it). Returns the step whose job went out, or None
+        (the save is left to the training thread: an update under way or its boundary not yet
+        reached, nothing to write, a regular snapshot of the step taken, a loop whose update
+        ``ckpt.step`` does not run). The halt's flag must be set before this is called: the
+        training thread checks it and enters an update under :attr:`lock`, so once this has
+        seen no update under way under the lock, none runs any more."""
+        with self.lock:
+            n = self.step
+            settled = (self.trusted and self.own_updates and not self._boundary_due and self._small is not None
+                       and self._early is None)
+        if not settled or self._why_not(ckpt) is not None or ckpt._snapped_step == n:
+            return None   # a snapshot of step n is taken: its persist (or save's) writes it
         t0 = time.perf_counter()
+        snap, job = self._job(ckpt)
+        try:
+            pending = self._submit(ckpt, job, durable=durable)
+        except BaseException:
+            snap.close()
+            raise
+        with self.lock:
+            self._early = (n, snap, pending, t0)
+        log.info("rank %d: the halt found step %d complete and no update under way: its live state is written "
+                 "now (copied and sent in %.3f s)", ckpt.rank, n, time.perf_counter() - t0)
+        return n
+
+    def _why_not(self, ckpt) -> str | None:
+        """Why the live state is not written (None: it is)."""
+        if not ckpt.writer:
+            return "this rank does not write checkpoints"
+        if not self.trusted:
+            return (f"the failure came inside step {self.step + 1}'s optimizer update: the parameters may be "
+                    f"partly updated, so the live state is not a checkpoint of any step")
+        if self.step == 0:
+            return "no step completed in this attempt"
+        if self.floor >= self.step:
+            return f"step {self.step} is on storage already"
+        return None
+
+    def _job(self, ckpt) -> tuple[Snapshotter, PersistJob]:
+        """Step :attr:`step`'s tensors copied into a fresh arena set, and its job: the live
+        parameters and optimizer state, the boundary's copies of the rest."""
         small = self._small
         early = {k: (self._data[k] if k in self._data else st.capture(o))
                  for k, o in self.state.items() if ckpt._kinds[k] == st.EARLY}
@@ -136,7 +192,8 @@ class LiveState:
             rng["buffers"], _ = flatten(small["buffers"], inline_tensors=True)
         rngs = [None] * ckpt.world_size
         rngs[ckpt.rank] = rng
-        manifest = {"epoch": ckpt._epoch(), "epoch_end": False, "world_size": ckpt.world_size,
+        epoch = self.epoch if self.epoch is not None else ckpt._epoch()
+        manifest = {"epoch": epoch, "epoch_end": False, "world_size": ckpt.world_size,
                     "skeleton": skeleton, "late": late, "rng": rng, "rngs": rngs,
                     "lineage": ckpt._lineage, "live": {"rank": ckpt.rank}}
         snap = Snapshotter(n_shards=len(ckpt.storages), shared=ckpt.backend.needs_shared_memory)
@@ -147,10 +204,54 @@ class LiveState:
             shards = shard_jobs(list(enumerate(layout)), host, count=len(layout), roots=len(ckpt.storages))
             job = PersistJob(step=self.step, manifest=manifest, shards=shards, keep=ckpt.config.keep,
                              arenas=[a.buf for a in host], io=ckpt.config.persist.io)
-            live = getattr(ckpt.backend, "submit_live", None)
-            info = (live(job, durable=durable) if live is not None else ckpt.backend.submit(job)).wait(timeout_s)
+        except BaseException:
+            snap.close()
+            raise
+        return snap, job
+
+    @staticmethod
+    def _submit(ckpt, job: PersistJob, *, durable: bool):
+        live = getattr(ckpt.backend, "submit_live", None)
+        return live(job, durable=durable) if live is not None else ckpt.backend.submit(job)
+
+    def discard(self) -> None:
+        """Release an early save's arenas that :meth:`save` never collected (the Checkpointer
+        is closed or abandoned; its job, if still running, is its backend's)."""
+        with self.lock:
+            early, self._early = self._early, None
+        if early is not None:
+            early[1].close()
+
+    def save(self, ckpt, *, timeout_s: float, durable: bool = False) -> tuple[int | None, str]:
+        """Write step :attr:`step` from the live objects through ``ckpt``'s backend (no store,
+        no collective; ``durable``: to all its tiers, else a backend with ``submit_live`` writes
+        its fastest only); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
+        why)``: the step written, or None and the reason nothing was. A job :meth:`halt` sent
+        for this step is waited for instead of writing it again."""
+        with self.lock:
+            early, self._early = self._early, None
+        if early is not None and early[0] == self.step:
+            _, snap, pending, t0 = early
+            try:
+                info = pending.wait(timeout_s)
+            finally:
+                snap.close()
+            return self._written(ckpt, info, t0)
+        if early is not None:   # cannot happen while the halt keeps the update from running
+            early[1].close()
+        why = self._why_not(ckpt)
+        if why is not None:
+            return None, why
+        self.at_boundary()   # the failure came before the next boundary: the state is still its own
+        t0 = time.perf_counter()
+        snap, job = self._job(ckpt)
+        try:
+            info = self._submit(ckpt, job, durable=durable).wait(timeout_s)
         finally:
             snap.close()
+        return self._written(ckpt, info, t0)
+
+    def _written(self, ckpt, info, t0: float) -> tuple[int, str]:
         self.floor = info.step
         ckpt._latest = max(ckpt._latest or 0, info.step)
         log.warning("rank %d wrote the live state of step %d after the group failed (%.3f s, %d bytes)",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ import torch
 
 from cfdist.checkpoint import Checkpointer, GroupOptions, PersistOptions
 from cfdist.checkpoint.options import LEGACY, from_legacy
+
+log = logging.getLogger("cfdist.worker")
 
 _STAGE_WAIT_S = 600.0
 """How long a rank waits for the copy of the restore step to its node (a peer's copy or a
@@ -235,16 +238,25 @@ class TrainContext:
         """A preemption notice: set ``preempted`` (this node goes away); with ``save``,
         checkpoint soon, at a step every rank agrees on (``Checkpointer.request_save``: every
         node's writer then persists it, so a surviving copy covers); with ``halt`` (the notices
-        name every node of the group: no replica will survive), stop at the next iteration
-        boundary (:class:`PreemptionHalt`), so that the step completed then is the state the
-        node writers save (:meth:`cfdist.Checkpointer.save_live`) and the driver makes durable."""
+        name every node of the group: no replica will survive), stop before the next update or
+        at the next iteration boundary (:class:`PreemptionHalt`), so that the last step
+        completed is the state the node writers save (:meth:`cfdist.Checkpointer.save_live`)
+        and the driver makes durable. A writer between a step's boundary and the next update
+        starts that save here, on this thread, at once (``Checkpointer._halt_announced``): it
+        does not wait for the training thread to reach the halt."""
         if preempted:
             self._preempted.set()
-        if halt:
-            self._halt.set()
         if save:
             with self._lock:
                 self._save_requested = True
+        if halt:
+            self._halt.set()   # first: the early save relies on no update starting after it
+            for ck in list(self._ckpts):
+                try:
+                    ck._halt_announced(durable=True)
+                except Exception as err:  # noqa: BLE001 - logged; the training thread's save_live writes instead
+                    log.warning("rank %d: the live state could not be written when the halt arrived (%s: %s); "
+                                "it is written when the rank halts", self.rank, type(err).__name__, err)
 
     def _drain(self) -> list[dict]:
         with self._lock:
@@ -269,18 +281,26 @@ class TrainContext:
 
 
 class PreemptionHalt(Exception):
-    """Raised under ``cfdist.fit`` on every rank at its next iteration boundary (the next fetch
-    from a hooked data iterator or forward of a hooked module; ``ckpt.step`` when nothing is hooked)
-    once a preemption notice named every node of the group (a whole spot pool reclaimed): the
-    node writers save the last completed step from their live state, to disk, and the driver
-    makes it durable before the kill. The training function need not catch it (the worker does).
+    """Raised under ``cfdist.fit`` on every rank once a preemption notice named every node of the
+    group (a whole spot pool reclaimed), at the first of: ``ckpt.step`` right before the optimizer
+    update, or the next iteration boundary (the next fetch from a hooked data iterator or forward
+    of a hooked module). The node writers save the last completed step from their live state, to
+    disk, and the driver makes it durable before the kill; a writer that heard the notice between
+    a step's boundary and the next update already began that save when it arrived (it does not
+    wait for the step in progress). The training function need not catch it (the worker does).
 
-    Why at the boundary, after an update, not before one: the ranks learn of the halt at
-    slightly different times. A rank halted at the boundary of step ``n`` holds step ``n``; no
-    rank can complete step ``n + 1`` without it (the all-reduce needs every rank), so ``n`` is
-    the newest step of the group, whichever rank's copy commits. (A rank that halted *before*
-    an update would hold ``n - 1`` while a peer that had not heard yet applied ``n``.) A peer
-    that has not halted by then waits in its next collective until the node is taken."""
+    What each rank holds: one that heard the notice before its update of step ``n + 1`` skips
+    that update and holds step ``n`` (the data position after batch ``n``, the RNG, schedulers
+    and module buffers of step ``n``'s boundary: the live state's copies, not what step
+    ``n + 1``'s fetch and forward moved); one that heard it during or after that update holds
+    ``n + 1`` and halts at its next boundary. The ranks learn of the halt at slightly different
+    times, so both can happen in one group: no rank can complete step ``n + 2`` (its all-reduce
+    needs the rank that halted), so the group's newest step is ``n`` or ``n + 1``, and the copy
+    of a writer that holds the newest commits it. A non-writer that alone applied ``n + 1``
+    (several ranks per node) leaves the newest step unwritten: the commit is then ``n``, one
+    step older, and ``notice_commit`` counts it as not committed. A peer that has not halted by
+    then waits in its next collective until the node is taken (or fails when a noticed rank is
+    killed, and saves then). An update that raised leaves nothing to write (the state is torn)."""
 
 
 class _FitCheckpointer(Checkpointer):
@@ -291,8 +311,8 @@ class _FitCheckpointer(Checkpointer):
         super().__init__(*args, **kwargs)
 
     def _halt_point(self) -> None:
-        # At the boundary after an update: every rank's state is that step then, or the next
-        # collective of a rank not halted yet waits for this one for ever (see PreemptionHalt).
+        # Before an update or at the boundary after one: the rank holds the step it completed
+        # last; no rank completes the step after the next (see PreemptionHalt).
         if self._ctx._halt.is_set():
             raise PreemptionHalt(f"rank {self._ctx.rank} halted after step {self.step_count}: a preemption notice "
                                  f"named every node of the group; that last completed step is saved and made "

@@ -31,7 +31,7 @@ class Boom(RuntimeError):
     """Stands for the collective's error (gloo: 'Connection reset by peer')."""
 
 
-def _objects(url, *, live=True, every=100):
+def _objects(url, *, live=True, every=100, cls=cfdist.Checkpointer):
     torch.manual_seed(0)
     np.random.seed(1)
     random.seed(2)
@@ -41,8 +41,8 @@ def _objects(url, *, live=True, every=100):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     data = torch.arange(200, dtype=torch.float32).reshape(50, 4)
     loader = cfdist.ResumableLoader(data, 4, seed=3, rank=0, world_size=1)
-    ckpt = cfdist.Checkpointer({"model": model, "opt": opt, "sched": sched, "data": loader}, url,
-                               cfdist.Every(every), group=cfdist.GroupOptions(live=live))
+    ckpt = cls({"model": model, "opt": opt, "sched": sched, "data": loader}, url,
+               cfdist.Every(every), group=cfdist.GroupOptions(live=live))
     return model, opt, sched, loader, ckpt
 
 
@@ -127,6 +127,118 @@ def test_a_step_on_storage_already_is_not_written_again(tmp_path, caplog):
         assert run[-1].save_live(timeout_s=30) is None
     assert "step 5 is on storage already" in caplog.text
     run[-1].abandon()
+
+
+class Halted(RuntimeError):
+    """Stands for ``cfdist.fit``'s PreemptionHalt."""
+
+
+class _Halting(cfdist.Checkpointer):
+    """The halt as ``cfdist.fit``'s checkpointer has it (cfdist/cluster/context.py): a flag another
+    thread sets (there: the worker actor's notice thread) that the halt point raises on."""
+
+    halt = None
+
+    def _halt_point(self):
+        if self.halt is not None and self.halt.is_set():
+            raise Halted(f"halted after step {self.step_count}")
+
+
+def _announce(ckpt):
+    """The notice on another thread, as the worker actor delivers it: set the flag, then let the
+    checkpointer begin the early save; returns what ``_halt_announced`` returned."""
+    import threading
+
+    out = {}
+
+    def notice():
+        ckpt.halt.set()
+        out["step"] = ckpt._halt_announced(durable=True)
+
+    t = threading.Thread(target=notice)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and "step" in out, "the notice thread did not return"
+    return out["step"]
+
+
+def test_a_halt_mid_step_writes_the_last_completed_step_at_once_and_skips_the_update(tmp_path, caplog):
+    """The notice arrives during step 6, after its fetch, forward (dropout, BatchNorm update)
+    and backward, before its update. The notice thread writes step 5 right away (not at the
+    halt); the training thread's ``ckpt.step`` raises before the update, so nothing of step 6
+    is applied; ``save_live`` returns the notice thread's job of step 5 without a second write;
+    a restore from it continues bit for bit like the uninterrupted run, with data exactly once."""
+    import threading
+
+    ref = _objects(f"file://{tmp_path}/ref")
+    _train(ref, STEPS)
+    want = _fingerprint(ref)
+    ref[-1].close()
+
+    url = f"file://{tmp_path}/run"
+    model, opt, sched, loader, ckpt = run = _objects(url, every=4, cls=_Halting)
+    ckpt.halt = threading.Event()
+    _train(run, FAIL_AT - 1)
+    it = iter(loader)
+    x = next(it) / 100.0
+    noise = torch.randn(4, 1) + float(np.random.randn()) + random.random()
+    (model(x) - noise).square().mean().backward()          # step 6 up to its update
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running" not in k}
+    with caplog.at_level("INFO", logger="cfdist.checkpointer"):
+        assert _announce(ckpt) == FAIL_AT - 1
+        with pytest.raises(Halted, match="after step 5"):
+            ckpt.step(opt)
+        assert ckpt.step_count == FAIL_AT - 1
+        for k, v in before.items():
+            assert torch.equal(model.state_dict()[k], v), f"step 6's update ran on {k}"
+        assert ckpt.save_live(timeout_s=30, durable=True) == FAIL_AT - 1
+    assert "the halt found step 5 complete" in caplog.text
+    assert caplog.text.count("wrote the live state of step 5") == 1
+    ckpt.abandon()
+
+    again = _objects(url, every=4)
+    assert again[-1].restore() == FAIL_AT - 1
+    _train(again, STEPS)
+    _same(_fingerprint(again), want)
+    again[-1].close()
+
+
+def test_a_halt_during_the_update_writes_the_step_it_completes(tmp_path, caplog):
+    """The notice arrives inside step 6's ``optimizer.step()``: the update runs to its end, no
+    early save begins (the parameters are changing), and the rank halts at the next boundary
+    (step 7's fetch) holding step 6, which ``save_live`` writes; the run resumes from 6 bit for
+    bit."""
+    import threading
+
+    ref = _objects(f"file://{tmp_path}/ref")
+    _train(ref, STEPS)
+    want = _fingerprint(ref)
+    ref[-1].close()
+
+    url = f"file://{tmp_path}/run"
+    model, opt, sched, loader, ckpt = run = _objects(url, every=4, cls=_Halting)
+    ckpt.halt = threading.Event()
+    _train(run, FAIL_AT - 1)
+    real_step, seen = opt.step, {}
+
+    def step_with_notice(*a, **kw):
+        seen["announced"] = _announce(ckpt)   # the notice lands in the middle of the update
+        return real_step(*a, **kw)
+
+    opt.step = step_with_notice
+    with caplog.at_level("INFO", logger="cfdist.checkpointer"), pytest.raises(Halted, match="after step 6"):
+        _train(run, STEPS)
+    opt.step = real_step
+    assert seen == {"announced": None} and ckpt.step_count == FAIL_AT
+    assert ckpt.save_live(timeout_s=30, durable=True) == FAIL_AT
+    assert "the halt found" not in caplog.text
+    ckpt.abandon()
+
+    again = _objects(url, every=4)
+    assert again[-1].restore() == FAIL_AT
+    _train(again, STEPS)
+    _same(_fingerprint(again), want)
+    again[-1].close()
 
 
 def test_save_live_without_the_live_option_says_what_to_change(tmp_path):
