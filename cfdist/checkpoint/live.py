@@ -134,32 +134,41 @@ class LiveState:
         return out
 
     def halt(self, ckpt, *, durable: bool) -> int | None:
-        """Another thread announced a halt (the flag ``ckpt``'s halt check raises on is set):
-        when the training thread is between the boundary of step :attr:`step` and the next
-        update, write that step now, from this thread (copy, then the job to ``ckpt``'s
-        backend; :meth:`save` waits for it). Returns the step whose job went out, or None
-        (the save is left to the training thread: an update under way or its boundary not yet
-        reached, nothing to write, a regular snapshot of the step taken, a loop whose update
-        ``ckpt.step`` does not run). The halt's flag must be set before this is called: the
-        training thread checks it and enters an update under :attr:`lock`, so once this has
-        seen no update under way under the lock, none runs any more."""
+        """Another thread announced a halt (the flag ``ckpt``'s halt check raises on is set).
+        When no update is under way, the parameters and optimizer state are step :attr:`step`'s
+        and stay so: copy them now, from this thread (the fresh arenas' pages are faulted in
+        here, not after the halt). When step :attr:`step`'s boundary was reached too (the
+        training thread is in the next step, before its update), also send the job to ``ckpt``'s
+        backend now; otherwise :meth:`save` sends it once the boundary's state is taken (the
+        schedulers step after the update). Returns the step copied, or None (the save is left
+        whole to the training thread: an update under way, nothing to write, a regular
+        snapshot of the step taken, a loop whose update ``ckpt.step`` does not run). The
+        halt's flag must be set before this is called: the training thread checks it and
+        enters an update under :attr:`lock`, so once this has seen no update under way under
+        the lock, none runs any more."""
         with self.lock:
             n = self.step
-            settled = (self.trusted and self.own_updates and not self._boundary_due and self._small is not None
-                       and self._early is None)
+            settled = self.trusted and self.own_updates and self._early is None
+            at_boundary = not self._boundary_due and self._small is not None
         if not settled or self._why_not(ckpt) is not None or ckpt._snapped_step == n:
             return None   # a snapshot of step n is taken: its persist (or save's) writes it
         t0 = time.perf_counter()
-        snap, job = self._job(ckpt)
+        # Before the boundary the live module buffers are still step n's (the next forward
+        # comes after it); after it, the boundary's copies are (that forward may have run).
+        snap, skeleton, shards = self._copy(ckpt, self._small.get("buffers") if at_boundary else None)
+        copied = time.perf_counter() - t0
+        pending = None
         try:
-            pending = self._submit(ckpt, job, durable=durable)
+            if at_boundary:
+                pending = self._submit(ckpt, self._job(ckpt, skeleton, shards, snap), durable=durable)
         except BaseException:
             snap.close()
             raise
         with self.lock:
-            self._early = (n, snap, pending, t0)
-        log.info("rank %d: the halt found step %d complete and no update under way: its live state is written "
-                 "now (copied and sent in %.3f s)", ckpt.rank, n, time.perf_counter() - t0)
+            self._early = (n, snap, skeleton, shards, pending, t0)
+        log.info("rank %d: the halt found step %d complete and no update under way: its live state was copied "
+                 "(%.3f s)%s", ckpt.rank, n, copied,
+                 " and sent at once" if pending is not None else "; it is sent at the step's boundary")
         return n
 
     def _why_not(self, ckpt) -> str | None:
@@ -175,17 +184,32 @@ class LiveState:
             return f"step {self.step} is on storage already"
         return None
 
-    def _job(self, ckpt) -> tuple[Snapshotter, PersistJob]:
-        """Step :attr:`step`'s tensors copied into a fresh arena set, and its job: the live
-        parameters and optimizer state, the boundary's copies of the rest."""
-        small = self._small
+    def _copy(self, ckpt, buffers: dict | None) -> tuple[Snapshotter, dict, list]:
+        """Step :attr:`step`'s tensors copied into a fresh arena set: the live parameters and
+        optimizer state, the data iterators' kept states, and ``buffers`` (module buffers kept
+        at the boundary) in place of the live ones. Returns the snapshotter, the skeleton and
+        the shards."""
         early = {k: (self._data[k] if k in self._data else st.capture(o))
                  for k, o in self.state.items() if ckpt._kinds[k] == st.EARLY}
         skeleton, tensors = flatten(early)
-        st.refresh_optimizer_groups(skeleton, self.state)
-        if small.get("buffers"):
-            _, kept = flatten(small["buffers"])
+        if buffers:
+            _, kept = flatten(buffers)
             tensors.update({n: t for n, t in kept.items() if n in tensors})
+        snap = Snapshotter(n_shards=len(ckpt.storages), shared=ckpt.backend.needs_shared_memory)
+        try:
+            snap.start(tensors, mode="cpu")
+            snap.wait_copied()
+            layout, host = snap.arenas(0)
+            shards = shard_jobs(list(enumerate(layout)), host, count=len(layout), roots=len(ckpt.storages))
+        except BaseException:
+            snap.close()
+            raise
+        return snap, skeleton, shards
+
+    def _job(self, ckpt, skeleton: dict, shards: list, snap: Snapshotter) -> PersistJob:
+        """The job of step :attr:`step`: the copied tensors and the boundary's small state."""
+        small = self._small
+        st.refresh_optimizer_groups(skeleton, self.state)   # the lr after the boundary's scheduler step
         rng, _ = flatten(small["rng"], inline_tensors=True)
         late, _ = flatten(small["late"], inline_tensors=True)
         if small.get("buffers") is not None:
@@ -196,18 +220,8 @@ class LiveState:
         manifest = {"epoch": epoch, "epoch_end": False, "world_size": ckpt.world_size,
                     "skeleton": skeleton, "late": late, "rng": rng, "rngs": rngs,
                     "lineage": ckpt._lineage, "live": {"rank": ckpt.rank}}
-        snap = Snapshotter(n_shards=len(ckpt.storages), shared=ckpt.backend.needs_shared_memory)
-        try:
-            snap.start(tensors, mode="cpu")
-            snap.wait_copied()
-            layout, host = snap.arenas(0)
-            shards = shard_jobs(list(enumerate(layout)), host, count=len(layout), roots=len(ckpt.storages))
-            job = PersistJob(step=self.step, manifest=manifest, shards=shards, keep=ckpt.config.keep,
-                             arenas=[a.buf for a in host], io=ckpt.config.persist.io)
-        except BaseException:
-            snap.close()
-            raise
-        return snap, job
+        return PersistJob(step=self.step, manifest=manifest, shards=shards, keep=ckpt.config.keep,
+                          arenas=[a.buf for a in snap.arenas(0)[1]], io=ckpt.config.persist.io)
 
     @staticmethod
     def _submit(ckpt, job: PersistJob, *, durable: bool):
@@ -215,8 +229,8 @@ class LiveState:
         return live(job, durable=durable) if live is not None else ckpt.backend.submit(job)
 
     def discard(self) -> None:
-        """Release an early save's arenas that :meth:`save` never collected (the Checkpointer
-        is closed or abandoned; its job, if still running, is its backend's)."""
+        """Release an early copy's arenas that :meth:`save` never collected (the Checkpointer
+        is closed or abandoned; its job, if one was sent, is its backend's)."""
         with self.lock:
             early, self._early = self._early, None
         if early is not None:
@@ -226,27 +240,28 @@ class LiveState:
         """Write step :attr:`step` from the live objects through ``ckpt``'s backend (no store,
         no collective; ``durable``: to all its tiers, else a backend with ``submit_live`` writes
         its fastest only); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
-        why)``: the step written, or None and the reason nothing was. A job :meth:`halt` sent
-        for this step is waited for instead of writing it again."""
+        why)``: the step written, or None and the reason nothing was. What :meth:`halt` copied
+        (and sent) for this step is used instead of copying it again."""
         with self.lock:
             early, self._early = self._early, None
-        if early is not None and early[0] == self.step:
-            _, snap, pending, t0 = early
-            try:
-                info = pending.wait(timeout_s)
-            finally:
-                snap.close()
-            return self._written(ckpt, info, t0)
-        if early is not None:   # cannot happen while the halt keeps the update from running
+        if early is not None and early[0] != self.step:   # cannot happen while the halt keeps the update from running
             early[1].close()
-        why = self._why_not(ckpt)
-        if why is not None:
-            return None, why
+            early = None
+        if early is None:
+            why = self._why_not(ckpt)
+            if why is not None:
+                return None, why
         self.at_boundary()   # the failure came before the next boundary: the state is still its own
-        t0 = time.perf_counter()
-        snap, job = self._job(ckpt)
+        if early is not None:
+            _, snap, skeleton, shards, pending, t0 = early
+        else:
+            t0 = time.perf_counter()
+            snap, skeleton, shards = self._copy(ckpt, self._small.get("buffers"))
+            pending = None
         try:
-            info = self._submit(ckpt, job, durable=durable).wait(timeout_s)
+            if pending is None:
+                pending = self._submit(ckpt, self._job(ckpt, skeleton, shards, snap), durable=durable)
+            info = pending.wait(timeout_s)
         finally:
             snap.close()
         return self._written(ckpt, info, t0)

@@ -44,7 +44,8 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
                hold_small: tuple[int, int, str] | None = None, freeze_at: tuple[int, int] | None = None,
                ckpt_kwargs: dict | None = None, hold_end: str | None = None,
                spin_at: tuple[int, int] | None = None, die_on_notice: tuple[int, int] | None = None,
-               hold_for_halt: tuple[int, str] | None = None, kill_in: tuple[int, int, str] | None = None):
+               hold_for_halt: tuple[int, str] | None = None, kill_in: tuple[int, int, str] | None = None,
+               halt_in: tuple[int, dict] | None = None):
     """Train a linear model with DDP for ``steps`` optimizer steps; rank 0 returns its state.
 
     ``freeze_at=(rank, step)``: in the first attempt, that rank's process SIGSTOPs itself right
@@ -57,6 +58,10 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
     ``hold_for_halt=(step, event_log)``: in the first attempt, every rank waits after that step
     until the driver logged a ``halt`` (a pool notice's group trains on until its margin; a
     fast machine would otherwise end the run first).
+    ``halt_in=(step, {rank: where})``: in the first attempt, each rank named waits during that
+    step until the halt of a notice that names every node reached it (the flag ``ctx`` sets for
+    it): ``"update"`` after the step's backward (its all-reduce done), before ``ckpt.step``;
+    ``"boundary"`` after the step's update, before the next fetch.
     ``hold_end=event_log``: in the first attempt, rank 1 leaves the loop after its last step only
     once the driver logged a failure, while rank 0 goes on to the end of its run (its final
     checkpoint then waits for rank 1's RNG states of the last step): an injected failure of
@@ -97,12 +102,18 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
             log.flush()
             doing["step"] = ckpt.step_count + 1
             torch.nn.functional.mse_loss(model(x), y).backward()
+            if halt_in is not None and ctx.attempt == 0 and doing["step"] == halt_in[0] \
+                    and halt_in[1].get(ctx.rank) == "update":
+                wait_for(lambda: ctx._halt.is_set(), 180.0, every_s=0.005)
             ckpt.step(opt)
             opt.zero_grad()
             log.write(json.dumps({"step": ckpt.step_count, "epoch": loader.epoch, "ids": idx.tolist(),
                                   "pad": loader.last_batch_is_padding}) + "\n")
             log.flush()
             ctx.report(step_rank=ctx.rank)
+            if halt_in is not None and ctx.attempt == 0 and ckpt.step_count == halt_in[0] \
+                    and halt_in[1].get(ctx.rank) == "boundary":
+                wait_for(lambda: ctx._halt.is_set(), 180.0, every_s=0.005)
             if freeze_at == (ctx.rank, ckpt.step_count) and ctx.attempt == 0:
                 os.kill(os.getpid(), signal.SIGSTOP)
             if spin_at == (ctx.rank, ckpt.step_count) and ctx.attempt == 0:

@@ -46,13 +46,13 @@ EVERY = 4
 
 def _fit(fc, tmp, name, *, schedule=None, steps=STEPS, step_sleep_s=0.05, num_nodes=2, hold_small=None,
          freeze_at=None, ckpt_kwargs=None, workers_per_node=1, hold_end=False, spin_at=None, die_on_notice=None,
-         hold_for_halt=None, kill_in=None, **kw):
+         hold_for_halt=None, kill_in=None, halt_in=None, **kw):
     out = tmp / f"{name}-samples"
     out.mkdir()
     loop = functools.partial(train_loop, steps=steps, out_dir=str(out), every=EVERY, step_sleep_s=step_sleep_s,
                              hold_small=hold_small, freeze_at=freeze_at, ckpt_kwargs=ckpt_kwargs,
                              hold_end=str(tmp / f"{name}.jsonl") if hold_end else None, spin_at=spin_at,
-                             die_on_notice=die_on_notice, kill_in=kill_in,
+                             die_on_notice=die_on_notice, kill_in=kill_in, halt_in=halt_in,
                              hold_for_halt=(hold_for_halt, str(tmp / f"{name}.jsonl")) if hold_for_halt else None)
     result = fit(loop,
                  num_nodes=num_nodes, workers_per_node=workers_per_node, storage=f"file://{tmp}/{{node}}/local",
@@ -325,6 +325,37 @@ def test_a_notice_naming_every_node_commits_the_last_completed_step_to_disk_befo
     assert choice["step"] == nc["step"] and {src for src, _ in choice["sources"].values()} <= {"local", "peer"}
     if die is not None:   # node 0's writer died: node 0 gets node 1's copy
         assert sorted(src for src, _ in choice["sources"].values()) == ["local", "peer"], choice
+    assert result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+
+
+@pytest.mark.parametrize("where", ["update", "mixed"])
+def test_a_halt_that_comes_before_the_update_writes_the_step_before_it_and_skips_the_update(
+        fake_cluster, reference, tmp_path, where):
+    """Both nodes are noticed at step 10 (a whole pool, 4 s of notice; the commits of steps 4
+    and 8 gave the driver a commit latency, so the group trains on to its margin) and the ranks
+    wait in step 11 until the halt reaches them. ``"update"``: both ranks heard it after step
+    11's backward, before its update: neither applies step 11, both nodes write step 10 from
+    the notice thread, and the next group restores 10 from each node's own disk. ``"mixed"``:
+    rank 1 heard it before its update (holds 10), rank 0 after its update (holds 11, halts at
+    the next fetch): the group's newest step is 11, node 0's copy commits it, and node 1 gets
+    it from node 0 (a peer). Either way nothing completed is lost, every sample is used once
+    and the run ends bit-exact. Real: everything as in the test above."""
+    fake_cluster.ensure_workers(2)
+    sched = StepSchedule([AtStep(step=10, kind="preempt", node=n, notice_s=4.0) for n in (0, 1)]
+                         + [AtStep(step=10, kind="return", node=n) for n in (0, 1)])
+    ranks = {0: "update", 1: "update"} if where == "update" else {0: "boundary", 1: "update"}
+    result, out = _fit(fake_cluster, tmp_path, "halt-" + where, schedule=sched, halt_in=(11, ranks))
+    recs = _records(tmp_path / f"halt-{where}.jsonl")
+    (nc,) = [r for r in recs if r["event"] == "notice_commit"]
+    newest = 10 if where == "update" else 11
+    assert nc["committed"] and nc["step"] == newest and nc["last_step"] == newest, nc
+    (f,) = result.failure_stats
+    assert f.restored_step == newest and f.lost_iterations == 0, (f, nc)
+    (choice,) = [r for r in recs if r.get("what") == "restore" and r["step"]]
+    want = ["local", "local"] if where == "update" else ["local", "peer"]
+    assert sorted(src for src, _ in choice["sources"].values()) == want, choice
     assert result.final_step == STEPS
     _assert_same(result.value, reference)
     check_exactly_once(str(out), STEPS)

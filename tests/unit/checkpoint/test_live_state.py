@@ -241,6 +241,46 @@ def test_a_halt_during_the_update_writes_the_step_it_completes(tmp_path, caplog)
     again[-1].close()
 
 
+def test_a_halt_after_the_update_copies_at_once_and_sends_the_step_at_its_boundary(tmp_path, caplog):
+    """The notice arrives after step 6's update, before its scheduler step: the notice thread
+    copies the parameters and optimizer state of step 6 at once, but the job waits for the
+    step's boundary (the scheduler's state and the lr the next step uses); the rank halts at
+    step 7's fetch, and the checkpoint holds step 6 with the scheduler stepped: the run resumes
+    bit for bit."""
+    import threading
+
+    ref = _objects(f"file://{tmp_path}/ref")
+    _train(ref, STEPS)
+    want = _fingerprint(ref)
+    ref[-1].close()
+
+    url = f"file://{tmp_path}/run"
+    model, opt, sched, loader, ckpt = run = _objects(url, every=4, cls=_Halting)
+    ckpt.halt = threading.Event()
+    _train(run, FAIL_AT - 1)
+    it = iter(loader)
+    x = next(it) / 100.0                                     # step 6, as _train does it
+    noise = torch.randn(4, 1) + float(np.random.randn()) + random.random()
+    (model(x) - noise).square().mean().backward()
+    ckpt.step(opt)
+    opt.zero_grad()
+    with caplog.at_level("INFO", logger="cfdist.checkpointer"):
+        assert _announce(ckpt) == FAIL_AT                     # before step 6's scheduler step
+        sched.step()
+        with pytest.raises(Halted, match="after step 6"):
+            next(it)                                          # step 7's fetch: the boundary, then the halt
+        assert ckpt.step_count == FAIL_AT
+        assert ckpt.save_live(timeout_s=30, durable=True) == FAIL_AT
+    assert "it is sent at the step's boundary" in caplog.text
+    ckpt.abandon()
+
+    again = _objects(url, every=4)
+    assert again[-1].restore() == FAIL_AT
+    _train(again, STEPS)
+    _same(_fingerprint(again), want)
+    again[-1].close()
+
+
 def test_save_live_without_the_live_option_says_what_to_change(tmp_path):
     run = _objects(f"file://{tmp_path}/run", live=False)
     _train(run, 2)
