@@ -84,7 +84,8 @@ class LiveState:
         self._data: dict = {}
         self._small: dict | None = None     # late, rng, buffers of ``step``'s boundary
         self._boundary_due = False
-        self._early: tuple | None = None    # (step, Snapshotter, pending job, t0) of a halt's early save
+        self._early: tuple | None = None    # (step, Snapshotter, skeleton, shards, pending job | None, t0)
+        self._halting: threading.Event | None = None   # set once halt()'s copy is over (or failed)
 
     @property
     def trusted(self) -> bool:
@@ -138,37 +139,43 @@ class LiveState:
         When no update is under way, the parameters and optimizer state are step :attr:`step`'s
         and stay so: copy them now, from this thread (the fresh arenas' pages are faulted in
         here, not after the halt). When step :attr:`step`'s boundary was reached too (the
-        training thread is in the next step, before its update), also send the job to ``ckpt``'s
-        backend now; otherwise :meth:`save` sends it once the boundary's state is taken (the
-        schedulers step after the update). Returns the step copied, or None (the save is left
-        whole to the training thread: an update under way, nothing to write, a regular
-        snapshot of the step taken, a loop whose update ``ckpt.step`` does not run). The
-        halt's flag must be set before this is called: the training thread checks it and
-        enters an update under :attr:`lock`, so once this has seen no update under way under
-        the lock, none runs any more."""
+        training thread is in the next step, before its update) and no regular snapshot of the
+        step was taken, also send the job to ``ckpt``'s backend now; otherwise :meth:`save`
+        sends it, once the boundary's state is taken (the schedulers step after the update) or
+        the regular persist of the step is settled (it may commit the step first; two commits
+        of one step must not race). Returns the step copied, or None (the save is left whole
+        to the training thread: an update under way, nothing to write, a loop whose update
+        ``ckpt.step`` does not run). The halt's flag must be set before this is called: the
+        training thread checks it and enters an update under :attr:`lock`, so once this has
+        seen no update under way under the lock, none runs any more."""
         with self.lock:
             n = self.step
-            settled = self.trusted and self.own_updates and self._early is None
+            if not (self.trusted and self.own_updates and self._early is None and self._halting is None):
+                return None
             at_boundary = not self._boundary_due and self._small is not None
-        if not settled or self._why_not(ckpt) is not None or ckpt._snapped_step == n:
-            return None   # a snapshot of step n is taken: its persist (or save's) writes it
-        t0 = time.perf_counter()
-        # Before the boundary the live module buffers are still step n's (the next forward
-        # comes after it); after it, the boundary's copies are (that forward may have run).
-        snap, skeleton, shards = self._copy(ckpt, self._small.get("buffers") if at_boundary else None)
-        copied = time.perf_counter() - t0
-        pending = None
+            done = self._halting = threading.Event()
         try:
-            if at_boundary:
-                pending = self._submit(ckpt, self._job(ckpt, skeleton, shards, snap), durable=durable)
-        except BaseException:
-            snap.close()
-            raise
-        with self.lock:
-            self._early = (n, snap, skeleton, shards, pending, t0)
+            if self._why_not(ckpt) is not None:
+                return None
+            t0 = time.perf_counter()
+            # Before the boundary the live module buffers are still step n's (the next forward
+            # comes after it); after it, the boundary's copies are (that forward may have run).
+            snap, skeleton, shards = self._copy(ckpt, self._small.get("buffers") if at_boundary else None)
+            copied = time.perf_counter() - t0
+            pending = None
+            try:
+                if at_boundary and ckpt._snapped_step != n:
+                    pending = self._submit(ckpt, self._job(ckpt, skeleton, shards, snap), durable=durable)
+            except BaseException:
+                snap.close()
+                raise
+            with self.lock:
+                self._early = (n, snap, skeleton, shards, pending, t0)
+        finally:
+            done.set()
         log.info("rank %d: the halt found step %d complete and no update under way: its live state was copied "
                  "(%.3f s)%s", ckpt.rank, n, copied,
-                 " and sent at once" if pending is not None else "; it is sent at the step's boundary")
+                 " and sent at once" if pending is not None else "; it is sent when the rank halts")
         return n
 
     def _why_not(self, ckpt) -> str | None:
@@ -242,15 +249,19 @@ class LiveState:
         its fastest only); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
         why)``: the step written, or None and the reason nothing was. What :meth:`halt` copied
         (and sent) for this step is used instead of copying it again."""
+        halting = self._halting
+        if halting is not None and not halting.wait(timeout_s):   # a copy on the notice's thread: use it
+            return None, f"the copy begun when the halt arrived did not end in {timeout_s:g} s"
         with self.lock:
             early, self._early = self._early, None
         if early is not None and early[0] != self.step:   # cannot happen while the halt keeps the update from running
             early[1].close()
             early = None
-        if early is None:
-            why = self._why_not(ckpt)
-            if why is not None:
-                return None, why
+        why = self._why_not(ckpt) if early is None or early[4] is None else None
+        if why is not None:   # e.g. a regular persist of the step committed meanwhile
+            if early is not None:
+                early[1].close()
+            return None, why
         self.at_boundary()   # the failure came before the next boundary: the state is still its own
         if early is not None:
             _, snap, skeleton, shards, pending, t0 = early

@@ -192,7 +192,7 @@ def test_a_halt_mid_step_writes_the_last_completed_step_at_once_and_skips_the_up
         for k, v in before.items():
             assert torch.equal(model.state_dict()[k], v), f"step 6's update ran on {k}"
         assert ckpt.save_live(timeout_s=30, durable=True) == FAIL_AT - 1
-    assert "the halt found step 5 complete" in caplog.text
+    assert "the halt found step 5 complete" in caplog.text and "and sent at once" in caplog.text
     assert caplog.text.count("wrote the live state of step 5") == 1
     ckpt.abandon()
 
@@ -271,11 +271,54 @@ def test_a_halt_after_the_update_copies_at_once_and_sends_the_step_at_its_bounda
             next(it)                                          # step 7's fetch: the boundary, then the halt
         assert ckpt.step_count == FAIL_AT
         assert ckpt.save_live(timeout_s=30, durable=True) == FAIL_AT
-    assert "it is sent at the step's boundary" in caplog.text
+    assert "it is sent when the rank halts" in caplog.text
     ckpt.abandon()
 
     again = _objects(url, every=4)
     assert again[-1].restore() == FAIL_AT
+    _train(again, STEPS)
+    _same(_fingerprint(again), want)
+    again[-1].close()
+
+
+def test_a_halt_right_after_a_checkpoint_step_copies_at_once_but_lets_that_checkpoint_settle_first(tmp_path, caplog):
+    """Step 5 is a regular checkpoint (``Every(5)``) and the notice arrives during step 6, before
+    its update. The notice thread copies step 5 at once but does not send it: the regular
+    persist of step 5 may commit it, and two commits of one step must not race. ``save_live``
+    settles that persist first: the step is then on storage once (written by whichever came
+    first), and the run resumes from it bit for bit."""
+    import threading
+
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.storage import open_storage
+
+    ref = _objects(f"file://{tmp_path}/ref")
+    _train(ref, STEPS)
+    want = _fingerprint(ref)
+    ref[-1].close()
+
+    url = f"file://{tmp_path}/run"
+    model, opt, sched, loader, ckpt = run = _objects(url, every=5, cls=_Halting)
+    ckpt.halt = threading.Event()
+    _train(run, FAIL_AT - 1)
+    it = iter(loader)
+    x = next(it) / 100.0
+    noise = torch.randn(4, 1) + float(np.random.randn()) + random.random()
+    (model(x) - noise).square().mean().backward()
+    with caplog.at_level("INFO", logger="cfdist.checkpointer"):
+        assert _announce(ckpt) == FAIL_AT - 1
+        with pytest.raises(Halted, match="after step 5"):
+            ckpt.step(opt)
+        written = ckpt.save_live(timeout_s=30, durable=True)
+    assert "it is sent when the rank halts" in caplog.text
+    assert written in (None, FAIL_AT - 1)
+    if written is None:
+        assert "step 5 is on storage already" in caplog.text
+    ckpt.abandon()
+    assert FAIL_AT - 1 in committed_steps(open_storage(url))
+
+    again = _objects(url, every=5)
+    assert again[-1].restore() == FAIL_AT - 1
     _train(again, STEPS)
     _same(_fingerprint(again), want)
     again[-1].close()
