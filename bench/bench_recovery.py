@@ -65,8 +65,10 @@ class Never:
 def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64, step_s: float = 0.0,
                kill_noticed: bool = False):
     """An MLP regression under DDP; rank 0 returns nothing (the event log is the output). With
-    ``kill_noticed``, rank 0 SIGKILLs itself at the end of the first step after its node's
-    preemption notice, in every other attempt (``bench_notices.py``)."""
+    ``kill_noticed``, rank 0 SIGKILLs itself as soon as its node's preemption notice arrives
+    (a thread that watches ``ctx.preempted``: wherever the training thread is, and before the
+    halt that comes with the notice can do anything on this rank), in every other attempt
+    (``bench_notices.py``)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import cfdist
@@ -82,14 +84,21 @@ def train_loop(ctx, *, steps: int, hidden: int, layers: int, batch: int = 64, st
     loader = cfdist.ResumableLoader(data, batch, seed=0)
     ckpt = ctx.checkpointer({"model": model, "optim": opt, "data": loader})
     ckpt.restore()
+    if kill_noticed and ctx.rank == 0 and ctx.attempt % 2 == 0:
+        import threading
+
+        def kill_on_notice():
+            while not ctx.preempted:
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_on_notice, daemon=True).start()
     while ckpt.step_count < steps:
         for x, y in loader:
             torch.nn.functional.mse_loss(model(x), y).backward()
             ckpt.step(opt)
             opt.zero_grad()
             time.sleep(step_s)   # stands in for a bigger model's compute
-            if kill_noticed and ctx.rank == 0 and ctx.attempt % 2 == 0 and ctx.preempted:
-                os.kill(os.getpid(), signal.SIGKILL)
             if ckpt.step_count >= steps:
                 break
 
