@@ -26,22 +26,23 @@ What is taken from where:
   of (run seed, rank, step), as after an elastic resume. Documented in the guarantees.
 
 A halt announced on another thread (``cfdist.fit``: a preemption notice that names every
-node, :meth:`LiveState.halt`) while the training thread is between step ``n``'s boundary and
-step ``n + 1``'s update writes step ``n`` at once, from that thread: the parameters and the
-optimizer's state change only inside the update, which the halt keeps from running (the
-training thread raises at the gate before it: ``Checkpointer.step`` checks the halt and enters
-the update under :attr:`LiveState.lock`), and the rest is the boundary's kept copies. The copy
-and the job to the backend overlap the training thread's forward and backward of ``n + 1``
-(or its wait in a collective for a peer that halted first); :meth:`LiveState.save` then waits
-for that job. A halt that finds the update under way, or the step's boundary not yet reached,
-leaves the save to the training thread, which halts at the next boundary (as with no early
-save); so does one for a loop whose update does not go through ``Checkpointer.step`` (the
-early save could not tell whether an update runs).
+node, :meth:`LiveState.halt`) while no update runs copies step ``n``'s tensors at once, from
+that thread: the parameters and the optimizer's state change only inside the update, which the
+halt keeps from running (the training thread raises at the gate before it: ``Checkpointer.step``
+checks the halt and enters the update under :attr:`LiveState.lock`), and the rest is the
+boundary's kept copies. When the rank is already in step ``n + 1`` (its boundary state kept),
+the job goes to the backend from that thread too; the copy and the write then overlap the
+training thread's forward and backward of ``n + 1`` (or its wait in a collective for a peer
+that halted first), and :meth:`LiveState.save` only waits for them. Otherwise ``save`` sends
+the job once the rank halted (after the boundary's state is taken, or a regular persist of
+step ``n`` settled). A halt that finds the update under way leaves the save whole to the
+training thread, which halts at the next boundary holding ``n + 1``; so does one for a loop
+whose update does not go through ``Checkpointer.step`` (it could not tell whether one runs).
 
 The per-step cost on a writer (nothing on other ranks) is the data iterators' ``state_dict()``,
 copies of the late entries, the RNG states and the module buffers; they are kept as copies and
 flattened only at a save (flattening every step cost 1.9 ms, five times the rest). The tensors
-are copied only at a failure. Training thread only.
+are copied only at a failure or a halt. Training thread, except :meth:`LiveState.halt`.
 """
 
 from __future__ import annotations
