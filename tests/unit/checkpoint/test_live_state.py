@@ -162,27 +162,54 @@ def _announce(ckpt):
     return out["step"]
 
 
+def _reference(tmp_path):
+    """The uninterrupted run's fingerprint."""
+    ref = _objects(f"file://{tmp_path}/ref")
+    _train(ref, STEPS)
+    ref[-1].close()
+    return _fingerprint(ref)
+
+
+def _halting_run(url, *, every, until):
+    """A run whose Checkpointer halts as ``cfdist.fit``'s does, trained to step ``until``."""
+    import threading
+
+    run = _objects(url, every=every, cls=_Halting)
+    run[-1].halt = threading.Event()
+    _train(run, until)
+    return run
+
+
+def _up_to_the_update(run):
+    """The next step as ``_train`` does it, up to its update (fetch, forward, backward); returns
+    the data iterator."""
+    model, _, _, loader, _ = run
+    it = iter(loader)
+    x = next(it) / 100.0
+    noise = torch.randn(4, 1) + float(np.random.randn()) + random.random()
+    (model(x) - noise).square().mean().backward()
+    return it
+
+
+def _resumes_bit_for_bit(url, step, want, *, every):
+    again = _objects(url, every=every)
+    assert again[-1].restore() == step
+    _train(again, STEPS)
+    _same(_fingerprint(again), want)
+    again[-1].close()
+
+
 def test_a_halt_mid_step_writes_the_last_completed_step_at_once_and_skips_the_update(tmp_path, caplog):
     """The notice arrives during step 6, after its fetch, forward (dropout, BatchNorm update)
     and backward, before its update. The notice thread writes step 5 right away (not at the
     halt); the training thread's ``ckpt.step`` raises before the update, so nothing of step 6
     is applied; ``save_live`` returns the notice thread's job of step 5 without a second write;
     a restore from it continues bit for bit like the uninterrupted run, with data exactly once."""
-    import threading
-
-    ref = _objects(f"file://{tmp_path}/ref")
-    _train(ref, STEPS)
-    want = _fingerprint(ref)
-    ref[-1].close()
+    want = _reference(tmp_path)
 
     url = f"file://{tmp_path}/run"
-    model, opt, sched, loader, ckpt = run = _objects(url, every=4, cls=_Halting)
-    ckpt.halt = threading.Event()
-    _train(run, FAIL_AT - 1)
-    it = iter(loader)
-    x = next(it) / 100.0
-    noise = torch.randn(4, 1) + float(np.random.randn()) + random.random()
-    (model(x) - noise).square().mean().backward()          # step 6 up to its update
+    model, opt, sched, loader, ckpt = run = _halting_run(url, every=4, until=FAIL_AT - 1)
+    _up_to_the_update(run)                                  # step 6 up to its update
     before = {k: v.clone() for k, v in model.state_dict().items() if "running" not in k}
     with caplog.at_level("INFO", logger="cfdist.checkpointer"):
         assert _announce(ckpt) == FAIL_AT - 1
@@ -196,11 +223,7 @@ def test_a_halt_mid_step_writes_the_last_completed_step_at_once_and_skips_the_up
     assert caplog.text.count("wrote the live state of step 5") == 1
     ckpt.abandon()
 
-    again = _objects(url, every=4)
-    assert again[-1].restore() == FAIL_AT - 1
-    _train(again, STEPS)
-    _same(_fingerprint(again), want)
-    again[-1].close()
+    _resumes_bit_for_bit(url, FAIL_AT - 1, want, every=4)
 
 
 def test_a_halt_during_the_update_writes_the_step_it_completes(tmp_path, caplog):
@@ -208,17 +231,10 @@ def test_a_halt_during_the_update_writes_the_step_it_completes(tmp_path, caplog)
     early save begins (the parameters are changing), and the rank halts at the next boundary
     (step 7's fetch) holding step 6, which ``save_live`` writes; the run resumes from 6 bit for
     bit."""
-    import threading
-
-    ref = _objects(f"file://{tmp_path}/ref")
-    _train(ref, STEPS)
-    want = _fingerprint(ref)
-    ref[-1].close()
+    want = _reference(tmp_path)
 
     url = f"file://{tmp_path}/run"
-    model, opt, sched, loader, ckpt = run = _objects(url, every=4, cls=_Halting)
-    ckpt.halt = threading.Event()
-    _train(run, FAIL_AT - 1)
+    model, opt, sched, loader, ckpt = run = _halting_run(url, every=4, until=FAIL_AT - 1)
     real_step, seen = opt.step, {}
 
     def step_with_notice(*a, **kw):
@@ -234,11 +250,7 @@ def test_a_halt_during_the_update_writes_the_step_it_completes(tmp_path, caplog)
     assert "the halt found" not in caplog.text
     ckpt.abandon()
 
-    again = _objects(url, every=4)
-    assert again[-1].restore() == FAIL_AT
-    _train(again, STEPS)
-    _same(_fingerprint(again), want)
-    again[-1].close()
+    _resumes_bit_for_bit(url, FAIL_AT, want, every=4)
 
 
 def test_a_halt_after_the_update_copies_at_once_and_sends_the_step_at_its_boundary(tmp_path, caplog):
@@ -247,21 +259,11 @@ def test_a_halt_after_the_update_copies_at_once_and_sends_the_step_at_its_bounda
     step's boundary (the scheduler's state and the lr the next step uses); the rank halts at
     step 7's fetch, and the checkpoint holds step 6 with the scheduler stepped: the run resumes
     bit for bit."""
-    import threading
-
-    ref = _objects(f"file://{tmp_path}/ref")
-    _train(ref, STEPS)
-    want = _fingerprint(ref)
-    ref[-1].close()
+    want = _reference(tmp_path)
 
     url = f"file://{tmp_path}/run"
-    model, opt, sched, loader, ckpt = run = _objects(url, every=4, cls=_Halting)
-    ckpt.halt = threading.Event()
-    _train(run, FAIL_AT - 1)
-    it = iter(loader)
-    x = next(it) / 100.0                                     # step 6, as _train does it
-    noise = torch.randn(4, 1) + float(np.random.randn()) + random.random()
-    (model(x) - noise).square().mean().backward()
+    model, opt, sched, loader, ckpt = run = _halting_run(url, every=4, until=FAIL_AT - 1)
+    it = _up_to_the_update(run)                             # step 6, as _train does it
     ckpt.step(opt)
     opt.zero_grad()
     with caplog.at_level("INFO", logger="cfdist.checkpointer"):
@@ -274,11 +276,7 @@ def test_a_halt_after_the_update_copies_at_once_and_sends_the_step_at_its_bounda
     assert "it is sent when the rank halts" in caplog.text
     ckpt.abandon()
 
-    again = _objects(url, every=4)
-    assert again[-1].restore() == FAIL_AT
-    _train(again, STEPS)
-    _same(_fingerprint(again), want)
-    again[-1].close()
+    _resumes_bit_for_bit(url, FAIL_AT, want, every=4)
 
 
 def test_a_halt_right_after_a_checkpoint_step_copies_at_once_but_lets_that_checkpoint_settle_first(tmp_path, caplog):
@@ -287,24 +285,14 @@ def test_a_halt_right_after_a_checkpoint_step_copies_at_once_but_lets_that_check
     persist of step 5 may commit it, and two commits of one step must not race. ``save_live``
     settles that persist first: the step is then on storage once (written by whichever came
     first), and the run resumes from it bit for bit."""
-    import threading
-
     from cfdist.checkpoint.discovery import committed_steps
     from cfdist.storage import open_storage
 
-    ref = _objects(f"file://{tmp_path}/ref")
-    _train(ref, STEPS)
-    want = _fingerprint(ref)
-    ref[-1].close()
+    want = _reference(tmp_path)
 
     url = f"file://{tmp_path}/run"
-    model, opt, sched, loader, ckpt = run = _objects(url, every=5, cls=_Halting)
-    ckpt.halt = threading.Event()
-    _train(run, FAIL_AT - 1)
-    it = iter(loader)
-    x = next(it) / 100.0
-    noise = torch.randn(4, 1) + float(np.random.randn()) + random.random()
-    (model(x) - noise).square().mean().backward()
+    model, opt, sched, loader, ckpt = run = _halting_run(url, every=5, until=FAIL_AT - 1)
+    _up_to_the_update(run)
     with caplog.at_level("INFO", logger="cfdist.checkpointer"):
         assert _announce(ckpt) == FAIL_AT - 1
         with pytest.raises(Halted, match="after step 5"):
@@ -317,11 +305,7 @@ def test_a_halt_right_after_a_checkpoint_step_copies_at_once_but_lets_that_check
     ckpt.abandon()
     assert FAIL_AT - 1 in committed_steps(open_storage(url))
 
-    again = _objects(url, every=5)
-    assert again[-1].restore() == FAIL_AT - 1
-    _train(again, STEPS)
-    _same(_fingerprint(again), want)
-    again[-1].close()
+    _resumes_bit_for_bit(url, FAIL_AT - 1, want, every=5)
 
 
 def test_save_live_without_the_live_option_says_what_to_change(tmp_path):
