@@ -554,9 +554,10 @@ def _load_or_fail(root: str, step: int | None):
 
     try:
         return load(root, step)
-    except CheckpointError as e:
-        if step is None and (err := not_a_checkpoint_dir(root)) is not None:
-            e = err
+    except CheckpointError as exc:
+        e = exc
+        if step is None and (bad := not_a_checkpoint_dir(root)) is not None:
+            e = bad
         _fail(f"{one_line(e)}" + ("" if isinstance(e, UsageError) else f" (`cfdist ls {root}` lists the "
                                                                           f"committed steps)"))
         return None

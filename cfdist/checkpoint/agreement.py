@@ -288,7 +288,7 @@ def agree_restore(channel: Channel | None, *, held: list[int], want: int | None,
     raise CheckpointError(
         f"no usable checkpoint that every rank can load ({what} wanted); no rank trains, since "
         f"ranks on different states would diverge:\n  " + "\n  ".join(lines) + "\nFix: restore from "
-        f"a storage that holds an intact copy (restore_from=), or start afresh in an empty storage")
+        "a storage that holds an intact copy (restore_from=), or start afresh in an empty storage")
 
 
 def _try_everywhere(channel: Channel | None, key: str, step: int, try_load) -> dict[int, str]:

@@ -137,7 +137,7 @@ def check(storages: list[Storage], *, create: bool) -> None:
     bad = [x for x in ids if isinstance(x, str)]
     if bad:
         raise _refuse(storages, ids, dirs, f"{len(bad)} root(s) have an unusable {IDENTITY}",
-                      f"restore the file from a sibling's (same set, its own index) or move that root's data away")
+                      "restore the file from a sibling's (same set, its own index) or move that root's data away")
     sets = {x["set"] for x in ids if x is not None}
     if ids[0] is None:
         raise _refuse(storages, ids, dirs, f"root 0 has no {IDENTITY} while its siblings do: it may be an empty "

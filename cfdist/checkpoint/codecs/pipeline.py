@@ -23,7 +23,7 @@ import torch
 
 from cfdist.checkpoint.codecs import chain as chain_mod
 from cfdist.checkpoint.codecs.base import REGISTRY, Codec, DecodeContext, pack_parts, raw_np_dtype, unpack_parts
-from cfdist.checkpoint.format import MANIFEST, ST_DTYPES, ST_TO_TORCH, CheckpointError, TensorEntry, step_dir
+from cfdist.checkpoint.format import ST_DTYPES, ST_TO_TORCH, CheckpointError, TensorEntry, step_dir
 from cfdist.checkpoint.reader import read_manifest, read_stored
 
 log = logging.getLogger("cfdist.codecs")

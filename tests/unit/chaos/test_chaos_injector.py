@@ -278,7 +278,6 @@ def test_the_return_of_a_skipped_preemption_is_skipped_even_while_an_earlier_one
     slot) is skipped (one is held already), so its return R2 is skipped as well, and is not
     taken for a second return of P1. A later preemption P3 of slot 0 then gets its own return
     (the run used to lose the slot for good: R3 was eaten as P2's)."""
-    removed = []
     inj, ctl, group, backend, at = _setup(
         [FailureEvent(time_s=1.0, kind="preempt", node=0), FailureEvent(time_s=1.0, kind="return", node=0),
          FailureEvent(time_s=2.0, kind="preempt", node=0), FailureEvent(time_s=2.0, kind="return", node=0),

@@ -3,7 +3,6 @@ bounds of the lossy codecs, Huffman coding, the auto bit width, chains and reten
 
 from __future__ import annotations
 
-import math
 import uuid
 
 import numpy as np
