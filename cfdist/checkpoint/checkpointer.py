@@ -628,6 +628,37 @@ class Checkpointer:
             self._live.floor = max(self._live.floor, info.step)   # _harvest collects in step order only
         self._harvest(publish=False)
 
+    def _yield_to_live(self, n: int) -> bool:
+        """On a halt's notice thread (:meth:`LiveState.halt`), for step ``n`` whose regular
+        snapshot was taken: whether the live state of ``n`` may be sent now, with no other
+        commit of ``n`` to race with. True when nothing of ``n`` is committed or on its way to
+        a commit: its snapshot not yet handed to its persist is dropped, and a persist of it
+        that has not reached its backend's write is given up (it waits for the other ranks'
+        RNG states through the job's store: a noticed rank may be killed, and that wait held
+        the live save until the survivor's collective failed, after the kill). False when a
+        persist of ``n`` is writing, committing or committed: that one writes the step (and
+        :meth:`_settle_superseded` waits for it)."""
+        if (self._latest or 0) >= n:
+            return False
+        with self._lock:   # the snapshot thread may be submitting it right now
+            if self._ready is not None and self._ready["step"] == n:
+                self._ready = None
+                log.info("rank %d: the snapshot of step %d is not persisted; its live state is written instead",
+                         self.rank, n)
+            mine = [p for p, _ in self._inflight if p.step == n]
+        for p in mine:
+            if p.done():
+                try:
+                    p.wait(0)
+                except Exception:  # noqa: BLE001 - failed or given up (its error is _harvest's): no commit
+                    continue
+                return False       # committed
+            elif p.stage == "write" or not p.abandon():
+                return False       # writing, or its commit was claimed: it writes the step
+            else:
+                log.info("rank %d: the persist of step %d is given up for its live state", self.rank, n)
+        return True
+
     def _settle_inflight(self, deadline: float) -> None:
         """Give the snapshot copy and the persists in flight until ``deadline`` to finish,
         and collect them. A persist still waiting for other ranks (their RNG states, their

@@ -140,11 +140,11 @@ class LiveState:
         When no update is under way, the parameters and optimizer state are step :attr:`step`'s
         and stay so: copy them now, from this thread (the fresh arenas' pages are faulted in
         here, not after the halt). When step :attr:`step`'s boundary was reached too (the
-        training thread is in the next step, before its update) and no regular snapshot of the
-        step was taken, also send the job to ``ckpt``'s backend now; otherwise :meth:`save`
-        sends it, once the boundary's state is taken (the schedulers step after the update) or
-        the regular persist of the step is settled (it may commit the step first; two commits
-        of one step must not race). Returns the step copied, or None (the save is left whole
+        training thread is in the next step, before its update) and no other commit of the step
+        can race with it (no regular snapshot of it, or its persist given up before its write:
+        ``Checkpointer._yield_to_live``), also send the job to ``ckpt``'s backend now;
+        otherwise :meth:`save` sends it, once the boundary's state is taken (the schedulers
+        step after the update) or the regular persist of the step is settled. Returns the step copied, or None (the save is left whole
         to the training thread: an update under way, nothing to write, a loop whose update
         ``ckpt.step`` does not run). The halt's flag must be set before this is called: the
         training thread checks it and enters an update under :attr:`lock`, so once this has
@@ -165,7 +165,7 @@ class LiveState:
             copied = time.perf_counter() - t0
             pending = None
             try:
-                if at_boundary and ckpt._snapped_step != n:
+                if at_boundary and (ckpt._snapped_step != n or ckpt._yield_to_live(n)):
                     pending = self._submit(ckpt, self._job(ckpt, skeleton, shards, snap), durable=durable)
             except BaseException:
                 snap.close()
