@@ -447,6 +447,7 @@ class Checkpointer:
         if not self._hooks:   # no hooked fetch or forward saw the boundary: this is it
             self._halt_point()
         self._harvest()
+        self._halt_point()   # a halt announced during this step does not wait for the gate
         stall, self._gate_stall = self._snap.wait_copied() + self._gate_stall, 0.0
         t0 = time.perf_counter()
         out = None

@@ -16,6 +16,7 @@ written again; without ``GroupOptions(live=True)`` it says what to change.
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -309,6 +310,49 @@ def test_a_halt_right_after_a_checkpoint_step_copies_at_once_but_lets_that_check
     ckpt.abandon()
     assert FAIL_AT - 1 in committed_steps(open_storage(url))
 
+    _resumes_bit_for_bit(url, FAIL_AT - 1, want, every=5)
+
+
+def test_a_halt_gives_up_a_checkpoint_of_the_same_step_not_yet_persisting_and_sends_at_once(tmp_path, caplog):
+    """Step 5 is a regular checkpoint whose copy into its arenas is still running (held here)
+    when the notice arrives during step 6: its persist has not started (under ``cfdist.fit`` it
+    would first wait for every rank's RNG states through the job's store, and a noticed rank
+    may be killed). The notice thread drops that snapshot and sends its own copy of step 5 at
+    once; the rank halts before step 6's update without waiting for the held copy; step 5 is
+    committed once (the held snapshot never is), and the run resumes from it bit for bit."""
+    import logging
+
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.storage import open_storage
+
+    want = _reference(tmp_path)
+    url = f"file://{tmp_path}/run"
+    model, opt, sched, loader, ckpt = run = _halting_run(url, every=5, until=FAIL_AT - 2)
+    go, held = threading.Event(), threading.Event()
+    copy = ckpt._snap._do_copy
+
+    def held_copy(pairs, stream):   # the copy thread of step 5's snapshot, held until the test says go
+        held.set()
+        assert go.wait(60), "the test never let the copy go"
+        return copy(pairs, stream)
+
+    ckpt._snap._do_copy = held_copy
+    try:
+        _train(run, FAIL_AT - 1)
+        assert held.wait(30), "step 5's copy never started"
+        _up_to_the_update(run)
+        with caplog.at_level(logging.INFO, logger="cfdist.checkpointer"):
+            assert _announce(ckpt) == FAIL_AT - 1
+            with pytest.raises(Halted, match="after step 5"):
+                ckpt.step(opt)
+            assert ckpt.save_live(timeout_s=30, durable=True) == FAIL_AT - 1
+        assert "and sent at once" in caplog.text
+        assert "the snapshot of step 5 is not persisted; its live state is written instead" in caplog.text
+    finally:
+        ckpt._snap._do_copy = copy
+        go.set()
+    ckpt.abandon()
+    assert committed_steps(open_storage(url)) == [FAIL_AT - 1]
     _resumes_bit_for_bit(url, FAIL_AT - 1, want, every=5)
 
 
