@@ -313,6 +313,21 @@ def test_a_halt_right_after_a_checkpoint_step_copies_at_once_but_lets_that_check
     _resumes_bit_for_bit(url, FAIL_AT - 1, want, every=5)
 
 
+def _hold_copies(ckpt):
+    """Hold the snapshot copy thread of ``ckpt`` at its next copy until ``go`` is set; returns
+    ``(go, held)``, ``held`` set once a copy is held."""
+    go, held = threading.Event(), threading.Event()
+    copy = ckpt._snap._do_copy
+
+    def held_copy(pairs, stream):
+        held.set()
+        assert go.wait(60), "the test never let the copy go"
+        return copy(pairs, stream)
+
+    ckpt._snap._do_copy = held_copy
+    return go, held
+
+
 def test_a_halt_gives_up_a_checkpoint_of_the_same_step_not_yet_persisting_and_sends_at_once(tmp_path, caplog):
     """Step 5 is a regular checkpoint whose copy into its arenas is still running (held here)
     when the notice arrives during step 6: its persist has not started (under ``cfdist.fit`` it
@@ -328,15 +343,7 @@ def test_a_halt_gives_up_a_checkpoint_of_the_same_step_not_yet_persisting_and_se
     want = _reference(tmp_path)
     url = f"file://{tmp_path}/run"
     model, opt, sched, loader, ckpt = run = _halting_run(url, every=5, until=FAIL_AT - 2)
-    go, held = threading.Event(), threading.Event()
-    copy = ckpt._snap._do_copy
-
-    def held_copy(pairs, stream):   # the copy thread of step 5's snapshot, held until the test says go
-        held.set()
-        assert go.wait(60), "the test never let the copy go"
-        return copy(pairs, stream)
-
-    ckpt._snap._do_copy = held_copy
+    go, held = _hold_copies(ckpt)   # step 5's snapshot copy, held until the test says go
     try:
         _train(run, FAIL_AT - 1)
         assert held.wait(30), "step 5's copy never started"
@@ -349,7 +356,6 @@ def test_a_halt_gives_up_a_checkpoint_of_the_same_step_not_yet_persisting_and_se
         assert "and sent at once" in caplog.text
         assert "the snapshot of step 5 is not persisted; its live state is written instead" in caplog.text
     finally:
-        ckpt._snap._do_copy = copy
         go.set()
     ckpt.abandon()
     assert committed_steps(open_storage(url)) == [FAIL_AT - 1]
@@ -506,7 +512,6 @@ def test_a_durable_live_save_drops_the_snapshot_not_yet_handed_to_its_persist(tm
     ``_LIVE_SETTLE_S``, raised here so that such a wait shows.)"""
     import concurrent.futures as cf
     import logging
-    import threading
 
     from cfdist.checkpoint import checkpointer
     from cfdist.checkpoint.discovery import committed_steps
@@ -517,15 +522,7 @@ def test_a_durable_live_save_drops_the_snapshot_not_yet_handed_to_its_persist(tm
     url = f"file://{tmp_path}/run"
     run = _objects(url, every=2)
     ckpt = run[-1]
-    go, held = threading.Event(), threading.Event()
-    copy = ckpt._snap._do_copy
-
-    def held_copy(pairs, stream):   # the copy thread of step 2's snapshot, held until the test says go
-        held.set()
-        assert go.wait(60), "the test never let the copy go"
-        return copy(pairs, stream)
-
-    ckpt._snap._do_copy = held_copy
+    go, held = _hold_copies(ckpt)   # step 2's snapshot copy, held until the test says go
     with pytest.raises(Boom):
         _train(run, STEPS, fail_at=3)
     assert held.wait(30), "step 2's copy never started"
