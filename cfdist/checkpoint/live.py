@@ -106,22 +106,22 @@ class LiveState:
             out[k] = {n: live[n].detach().clone() for n in names if n in live}
         return out
 
-    def save(self, ckpt, *, timeout_s: float, durable: bool = False) -> tuple[int | None, str]:
-        """Write step :attr:`step` from the live objects through ``ckpt``'s backend (no store,
-        no collective; ``durable``: to all its tiers, else a backend with ``submit_live`` writes
-        its fastest only); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
-        why)``: the step written, or None and the reason nothing was."""
+    def usable(self, ckpt) -> str | None:
+        """Why the live objects are no checkpoint of a step (None: they are one, of :attr:`step`)."""
         if not ckpt.writer:
-            return None, "this rank does not write checkpoints"
+            return "this rank does not write checkpoints"
         if not self.trusted:
-            return None, (f"the failure came inside step {self.step + 1}'s optimizer update: the parameters may be "
-                          f"partly updated, so the live state is not a checkpoint of any step")
-        if self.step == 0:
-            return None, "no step completed in this attempt"
-        if self.floor >= self.step:
-            return None, f"step {self.step} is on storage already"
+            return (f"the failure came inside step {self.step + 1}'s optimizer update: the parameters may be "
+                    f"partly updated, so the live state is not a checkpoint of any step")
+        if self.step == 0 or self._small is None:
+            return "no step completed in this attempt"
+        return None
+
+    def content(self, ckpt) -> tuple[dict, dict]:
+        """``(manifest, tensors)`` of step :attr:`step` from the live objects: what a checkpoint
+        of it holds (the tensors are the live ones, not copies: valid while nothing trains them).
+        Call only when :meth:`usable` says so."""
         self.at_boundary()   # the failure came before the next boundary: the state is still its own
-        t0 = time.perf_counter()
         small = self._small
         early = {k: (self._data[k] if k in self._data else st.capture(o))
                  for k, o in self.state.items() if ckpt._kinds[k] == st.EARLY}
@@ -136,9 +136,23 @@ class LiveState:
             rng["buffers"], _ = flatten(small["buffers"], inline_tensors=True)
         rngs = [None] * ckpt.world_size
         rngs[ckpt.rank] = rng
-        manifest = {"epoch": ckpt._epoch(), "epoch_end": False, "world_size": ckpt.world_size,
+        manifest = {"step": self.step, "epoch": ckpt._epoch(), "epoch_end": False, "world_size": ckpt.world_size,
                     "skeleton": skeleton, "late": late, "rng": rng, "rngs": rngs,
                     "lineage": ckpt._lineage, "live": {"rank": ckpt.rank}}
+        return manifest, tensors
+
+    def save(self, ckpt, *, timeout_s: float, durable: bool = False) -> tuple[int | None, str]:
+        """Write step :attr:`step` from the live objects through ``ckpt``'s backend (no store,
+        no collective; ``durable``: to all its tiers, else a backend with ``submit_live`` writes
+        its fastest only); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
+        why)``: the step written, or None and the reason nothing was."""
+        why = self.usable(ckpt)
+        if why is not None:
+            return None, why
+        if self.floor >= self.step:
+            return None, f"step {self.step} is on storage already"
+        t0 = time.perf_counter()
+        manifest, tensors = self.content(ckpt)
         snap = Snapshotter(n_shards=len(ckpt.storages), shared=ckpt.backend.needs_shared_memory)
         try:
             snap.start(tensors, mode="cpu")

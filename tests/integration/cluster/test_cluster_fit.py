@@ -84,37 +84,38 @@ def _assert_same(value, reference):
 
 @pytest.mark.parametrize("live", [True, False], ids=["live", "rollback"])
 def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp_path, live):
-    """Rank 1's process is SIGKILLed at step 10: the group restarts at full size from the
-    node actors' memory tiers (its own node's, or - when the killed rank's node lacks the step
-    - the other node's, copied actor to actor); no disk is read. With live recovery (the
-    default) the step is the one the surviving rank completed last, written from its live
-    state after its all-reduce failed: nothing is lost but the step in progress; without it,
-    the newest checkpoint (a multiple of k). Final parameters equal the reference."""
+    """Rank 1's process is SIGKILLed at step 10. With live recovery (the default) the surviving
+    rank 0 keeps the live state of the last step it completed in its process when its all-reduce
+    fails (nothing written), the next group is re-formed around that process and a warm spare,
+    and rank 0 sends the step to the new rank 1 over the new group: no storage round trip, no
+    stage copy; nothing is lost but the step in progress. Without it, the group restarts from
+    the newest checkpoint (a multiple of k) in the node actors' memory tiers (its own node's,
+    or - when the killed rank's node lacks the step - the other node's, copied actor to actor).
+    Final parameters equal the reference."""
     fake_cluster.ensure_workers(2)
     result, out = _fit(fake_cluster, tmp_path, "crash", live_recovery=live,
                        schedule=StepSchedule([AtStep(step=10, kind="crash", rank=1)]))
     assert result.failures == 1
     (f,) = result.failure_stats
-    assert f.kind == "crash" and f.tier in ("memory", "peer")
+    assert f.kind == "crash" and f.tier == ("live" if live else "memory" if f.tier == "memory" else "peer"), f
+    recs = _records(tmp_path / "crash.jsonl")
     if live:
         # rank 0 had completed step 10 at least (the driver saw it) when rank 1 died
         assert f.restored_step >= 10 and f.lost_iterations <= 1, f
         manifest = glob.glob(f"{tmp_path}/n*/local/**/step-{STEPS:09d}/MANIFEST.json", recursive=True)
         assert manifest, "the final checkpoint is missing"
-        live_logs = [p for p in glob.glob(f"{result.log_dir}/rank-worker-*.log")
-                     if f"wrote the live state of step {f.restored_step}" in open(p).read()]
-        # On a loaded machine the kill can land after a checkpoint step (the schedule fires at
-        # step 10 or later): then that step's own checkpoint committed, and the live save
-        # rightly writes nothing ("on storage already").
-        committed = [r for r in _records(tmp_path / "crash.jsonl")
-                     if r["event"] == "checkpoint_committed" and r["step"] == f.restored_step]
-        assert live_logs or (f.restored_step % EVERY == 0 and committed), \
-            f"step {f.restored_step} was neither written from the live state (no rank log says so) nor committed"
+        # the new group restored the survivor's step from its live state (every node's source
+        # is "live": below), and no live state was written to a tier
+        fail_i = next(i for i, r in enumerate(recs) if r["event"] == "failure")
+        restored = [r for r in recs[fail_i:] if r["event"] == "restored"]
+        assert [r["tier"] for r in restored] == ["live"] and restored[0]["step"] == f.restored_step, restored
+        assert not [r for r in recs if r["event"] == "checkpoint_committed" and r.get("live")], \
+            "a live state was written to a tier: the survivor should have kept it in process"
+        assert not [p for p in glob.glob(f"{result.log_dir}/rank-worker-*.log") if "wrote the live state" in open(p).read()]
     else:
         assert 0 < f.restored_step <= f.step and f.restored_step % EVERY == 0, f
-    recs = _records(tmp_path / "crash.jsonl")
     (choice,) = [r for r in recs if r.get("what") == "restore" and r["step"]]
-    assert {src for src, _ in choice["sources"].values()} <= {"memory", "peer"}
+    assert {src for src, _ in choice["sources"].values()} <= ({"live"} if live else {"memory", "peer"}), choice
     # the recovery's phases are in the log, in order; the new group is made of warm spares, the
     # surviving rank 0 among them, re-formed in its own process (no process start)
     fail_i = next(i for i, r in enumerate(recs) if r["event"] == "failure")
