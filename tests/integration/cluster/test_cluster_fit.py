@@ -144,13 +144,14 @@ def test_a_rank_killed_in_each_phase_of_a_step_loses_at_most_that_step(fake_clus
     optimizer step (its weight half updated). Rank 0 survives with the last step it completed:
     9 when rank 1 died before its gradient was sent, 10 when the all-reduce had delivered it (in
     the optimizer step always, in the all-reduce when the kill came late enough). That live
-    state is the restore point, 1 step lost at most; the dead rank's torn state is never read.
-    The run ends bit-identical to the failure-free one, data exactly once."""
+    state, kept in rank 0's process, is the restore point (sent to the new rank 1 over the new
+    group), 1 step lost at most; the dead rank's torn state is never read. The run ends
+    bit-identical to the failure-free one, data exactly once."""
     fake_cluster.ensure_workers(2)
     result, out = _fit(fake_cluster, tmp_path, phase, kill_in=(1, 10, phase))
     assert result.failures == 1, result.failure_stats
     (f,) = result.failure_stats
-    assert f.tier in ("memory", "peer"), f
+    assert f.tier == "live", f
     if phase == "allreduce":
         assert f.restored_step in (9, 10), f
     elif phase == "optimizer":   # the all-reduce of step 10 was done: rank 0 completes it
@@ -204,7 +205,7 @@ def test_fit_under_a_host_memory_budget_streams_into_the_node_tiers_and_recovers
                        schedule=StepSchedule([AtStep(step=10, kind="crash", rank=1)]))
     assert result.failures == 1 and result.final_step == STEPS
     (f,) = result.failure_stats
-    assert f.tier in ("memory", "peer") and f.lost_iterations <= 1, f
+    assert f.tier == "live" and f.lost_iterations <= 1, f
     _assert_same(result.value, reference)
     check_exactly_once(str(out), STEPS)
     for node in ("n0", "n1"):
@@ -228,7 +229,7 @@ def test_a_frozen_rank_is_killed_after_hang_timeout_and_the_run_recovers_from_th
                        recovery=cfdist.RecoveryOptions(hang_timeout_s=5.0))
     assert result.failures == 1
     (f,) = result.failure_stats
-    assert f.kind == "crash" and f.tier in ("memory", "peer"), f
+    assert f.kind == "crash" and f.tier == "live", f
     assert f.restored_step >= 10 and f.lost_iterations <= 1, f
     recs = _records(tmp_path / "hang.jsonl")
     (hang,) = [r for r in recs if r["event"] == "hang"]
@@ -264,9 +265,10 @@ def test_a_hang_every_rank_shares_stops_the_group_and_rolls_back(fake_cluster, r
 def test_lost_node_is_replaced_and_seeded_from_peer(fake_cluster, reference, tmp_path):
     """Node 1 is removed (every process on it dies); a spare node with an empty disk replaces
     it: the spare gets the checkpoint from the surviving node's actor (peer copy), not from
-    shared storage; the run ends bit-exact at full size."""
+    shared storage; the run ends bit-exact at full size. (Live recovery off: with it the
+    survivor's live state reaches the spare over the new group, as after a killed worker.)"""
     fake_cluster.ensure_workers(3)   # two in the group, one spare
-    result, out = _fit(fake_cluster, tmp_path, "peer", remove_node=fake_cluster.remove_node,
+    result, out = _fit(fake_cluster, tmp_path, "peer", remove_node=fake_cluster.remove_node, live_recovery=False,
                        schedule=StepSchedule([AtStep(step=10, kind="preempt", node=1)]),
                        shared_storage=f"file://{tmp_path}/shared", shared_every=100)
     assert result.failures == 1
@@ -282,6 +284,7 @@ def test_lost_node_without_peer_copy_restores_from_shared(fake_cluster, referenc
     every checkpoint here), still bit-exact; the final checkpoint is in shared storage."""
     fake_cluster.ensure_workers(3)
     result, out = _fit(fake_cluster, tmp_path, "shared", remove_node=fake_cluster.remove_node, peer_copy=False,
+                       live_recovery=False,
                        schedule=StepSchedule([AtStep(step=10, kind="preempt", node=1)]),
                        shared_storage=f"file://{tmp_path}/shared", shared_every=1)
     (f,) = result.failure_stats
@@ -819,8 +822,9 @@ def test_a_node_lost_at_the_last_step_loses_nothing(fake_cluster, reference, tmp
     """Node 1 is lost after both ranks' last step, while rank 0 is at the end of its run: its
     final checkpoint waits for rank 1's RNG states of that step, which rank 1 (holding in its
     loop until the driver logged the failure) never publishes. The driver tells rank 0 a peer
-    died; rank 0 gives that persist up, its run's end fails, it writes its live state of the
-    last step, and the next group (one node) restores it: nothing is lost. (Before, nothing
+    died; rank 0 gives that persist up, its run's end fails, it keeps its live state of the
+    last step in process, and the next group (one node, re-formed around it) restores it:
+    nothing is lost. (Before, nothing
     was written after the loop and the run rolled back to the last checkpoint, 4 iterations; a
     ``cfdist experiment`` run failed its at-most-one-step check that way.)"""
     fake_cluster.ensure_workers(2)
@@ -828,7 +832,7 @@ def test_a_node_lost_at_the_last_step_loses_nothing(fake_cluster, reference, tmp
                        schedule=StepSchedule([AtStep(step=STEPS, kind="preempt", node=1)]))
     assert result.failures == 1 and result.final_step == STEPS
     (f,) = result.failure_stats
-    assert f.kind == "preempt" and f.restored_step == STEPS and f.lost_iterations == 0, f
+    assert f.kind == "preempt" and f.restored_step == STEPS and f.lost_iterations == 0 and f.tier == "live", f
     check_exactly_once(str(out), STEPS)
 
 
