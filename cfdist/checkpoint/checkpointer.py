@@ -35,7 +35,7 @@ import torch
 
 from cfdist.checkpoint import agreement, discovery, latest as newest, peer, retention, roots, slices, state as st
 from cfdist.checkpoint.codecs.pipeline import encode_work, resolve_codecs, validate_codecs
-from cfdist.checkpoint.flatten import flatten
+from cfdist.checkpoint.flatten import flatten, unflatten
 from cfdist.checkpoint.live import LiveState
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ThreadBackend, shard_jobs
@@ -1071,36 +1071,36 @@ class Checkpointer:
 
     def restore_live(self, step: int, src: int, kept: tuple[dict, dict] | None) -> int:
         """Restore ``step`` from the process of rank ``src`` of the default group, a survivor
-        of the previous group that kept its live state (:meth:`keep_live`; ``kept`` is that
-        content on ``src``, ignored elsewhere): ``src`` loads it in process, the others receive
-        it over the group (:func:`cfdist.checkpoint.peer.broadcast_state`): no storage round
-        trip. Collective: every rank calls it with the same ``step`` and ``src``. RNG states: ``src``
-        resumes with its own, the other ranks with
+        of the previous group that kept its live state (:meth:`keep_live`; ``kept`` is the
+        ``(manifest, tensors)`` this rank kept, or None): ``src`` loads it in process, the
+        others receive it over the group (:func:`cfdist.checkpoint.peer.broadcast_state`): no
+        storage round trip. Collective: every rank calls it with the same ``step`` and
+        ``src``. RNG states: a rank that kept ``step`` itself (``src``, another survivor)
+        resumes with its own, the others with
         :func:`~cfdist.checkpoint.state.derived_rng_state` of (run seed, rank, step), as after
         any live recovery (:mod:`cfdist.checkpoint.live`). Raises ``CheckpointError`` on every
         rank when ``src`` holds no live state of ``step`` (the next recovery then restores from
         storage) or when it does not fit the live objects. Returns ``step``."""
+        own = kept if kept is not None and kept[0].get("step") == step else None
+        why = ""
         if self.rank == src:
             why = ("this process kept no live state" if kept is None else
-                   f"it holds step {kept[0]['step']}, not {step}" if kept[0].get("step") != step else "")
-            if why:
-                kept = None
-            else:   # this process's own RNG, at its rank in this group
-                manifest = dict(kept[0], world_size=self.world_size, rngs=[None] * self.world_size)
-                manifest["rngs"][self.rank] = manifest["rng"]
-                kept = (manifest, kept[1])
+                   f"it holds step {kept[0].get('step')}, not {step}" if own is None else "")
+            send = None if own is None else (dict(own[0], world_size=self.world_size), own[1])
         else:
-            why = ""
-        manifest, tensors = peer.broadcast_state(kept, src, why=why)
+            send = None
+        manifest, tensors = peer.broadcast_state(send, src, why=why)
         where = f"the live state of step {step} from rank {src}"
         if manifest.get("step") != step:
             raise CheckpointError(f"{where}: it holds step {manifest.get('step')}")
         saved, _ = discovery.decode_state(manifest, tensors, where=where)
-        rng = st.rank_rng_state(manifest, self.rank, where=where)
+        rng = (unflatten(own[0]["rng"], {}) if own is not None
+               else st.rank_rng_state(dict(manifest, rngs=[manifest["rng"] if r == src else None
+                                                           for r in range(self.world_size)]), self.rank, where=where))
         st.check_compatible(self.state, saved)
         st.apply(self.state, st.with_rank_buffers(saved, rng.pop("buffers", None)))
         st.set_rng_state(rng)
-        self._step = self._snapped_step = step
+        self._step = step   # not snapshotted: a save() now (the run's end) writes it, it is on no storage
         if self._live is not None:   # a live state of ``step`` again; not on storage (the floor stays)
             self._live.step = step
         self._lineage = retention.after_restore(manifest, step)

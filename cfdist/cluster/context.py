@@ -73,7 +73,8 @@ class TrainContext:
         """``restore_tier == "live"``: the rank of this group whose process holds the restore step
         (a survivor of the previous group); the others receive it from it over the group."""
         self._kept = kept
-        """On that rank: the ``(manifest, tensors)`` it kept (``Checkpointer.keep_live``)."""
+        """On a survivor that kept the restore step (that rank, another): the ``(manifest,
+        tensors)`` it kept (``Checkpointer.keep_live``); its own RNG states come from there."""
         self._lock = threading.Lock()
         self._records: collections.deque = collections.deque()
         self._preempted = threading.Event()

@@ -167,8 +167,7 @@ class RankWorker:
         """
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         kept, self._kept = self._kept, None   # used by this attempt's restore, or not at all
-        mine = (restore_tier == "live" and live_source == self.info.rank and kept is not None
-                and kept[0] == restore_step)
+        mine = restore_tier == "live" and kept is not None and kept[0] == restore_step   # the source, or a survivor
         self.ctx = TrainContext(info=self.info, device=device, tiers=tiers, node_actor=node_actor,
                                 policy=policy, keep=keep, restore_step=restore_step,
                                 restore_tier=restore_tier, live=self.live_timeout_s is not None, staged=staged,

@@ -16,7 +16,6 @@ failure inside the optimizer update is not kept.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
