@@ -246,8 +246,8 @@ class RankWorker:
 
     def peer_died(self, wait_s: float = 1.5) -> bool:
         """The driver saw a rank of this attempt die: returns whether this rank is writing its
-        live state (the driver then waits for it), waiting up to ``wait_s`` for it to start or
-        for this rank's run to end. A rank in a collective learns of the death by itself within
+        live state, or (``keep_live``) has kept it and ended (the driver then waits for its
+        outcome), waiting up to ``wait_s`` for it to start or for this rank's run to end. A rank in a collective learns of the death by itself within
         milliseconds; one at the end of its run may instead wait for the dead rank's RNG states
         of the last step (the final checkpoint's exchange) for minutes: its persists in flight
         are given up, so its run's end fails now and it writes its live state of the last step."""
@@ -260,7 +260,9 @@ class RankWorker:
         deadline = time.monotonic() + wait_s
         while not (self._live_saving.is_set() or self._ended.is_set()) and time.monotonic() < deadline:
             time.sleep(0.005)
-        return self._live_saving.is_set()
+        # A rank that kept its live state in process (milliseconds) has ended by now: it is
+        # waited for too, so that its outcome is collected and it is recycled with that state.
+        return self._live_saving.is_set() or (self.keep_live and self._ended.is_set())
 
     def recycle(self) -> int:
         """Make a rank whose attempt failed (its ``run`` raised: a peer died) a warm spare again,

@@ -425,7 +425,7 @@ def test_a_recovered_failure_is_one_console_line_and_its_details_are_in_the_rank
     lines = [ln for ln in console.err.splitlines() if ln.startswith("cfdist:")]
     recovery = [ln for ln in lines if "resumed from" in ln]
     assert len(recovery) == 1 and re.fullmatch(
-        rf"cfdist: {kind} of {where} at step \d+ \(injected\): resumed from step \d+ \((memory|peer)\)",
+        rf"cfdist: {kind} of {where} at step \d+ \(injected\): resumed from step \d+ \((live|memory|peer)\)",
         recovery[0]), lines
     assert lines[-1] == f"cfdist: 1 failure(s); details in the rank logs: {result.log_dir}", lines
     noise = ("Traceback", "frame #", "TCPStore", "Connection reset", "Unhandled error", "(RankWorker")
@@ -824,7 +824,9 @@ def test_a_node_lost_at_the_last_step_loses_nothing(fake_cluster, reference, tmp
     loop until the driver logged the failure) never publishes. The driver tells rank 0 a peer
     died; rank 0 gives that persist up, its run's end fails, it keeps its live state of the
     last step in process, and the next group (one node, re-formed around it) restores it:
-    nothing is lost. (Before, nothing
+    nothing is lost. (Before the driver made rank 0 wait for that outcome, a rank that kept its
+    state within milliseconds was not waited for, was killed instead of recycled, and the run
+    rolled back 4 iterations.) (Before, nothing
     was written after the loop and the run rolled back to the last checkpoint, 4 iterations; a
     ``cfdist experiment`` run failed its at-most-one-step check that way.)"""
     fake_cluster.ensure_workers(2)
@@ -832,7 +834,8 @@ def test_a_node_lost_at_the_last_step_loses_nothing(fake_cluster, reference, tmp
                        schedule=StepSchedule([AtStep(step=STEPS, kind="preempt", node=1)]))
     assert result.failures == 1 and result.final_step == STEPS
     (f,) = result.failure_stats
-    assert f.kind == "preempt" and f.restored_step == STEPS and f.lost_iterations == 0 and f.tier == "live", f
+    # from rank 0's process ("live"), or "memory" when its final checkpoint committed after all
+    assert f.kind == "preempt" and f.restored_step == STEPS and f.lost_iterations == 0 and f.tier in ("live", "memory"), f
     check_exactly_once(str(out), STEPS)
 
 
