@@ -35,7 +35,7 @@ import torch
 
 from cfdist.checkpoint import agreement, discovery, latest as newest, peer, retention, roots, slices, state as st
 from cfdist.checkpoint.codecs.pipeline import encode_work, resolve_codecs, validate_codecs
-from cfdist.checkpoint.flatten import flatten
+from cfdist.checkpoint.flatten import flatten, unflatten
 from cfdist.checkpoint.live import LiveState
 from cfdist.checkpoint.format import CheckpointError, step_dir
 from cfdist.checkpoint.persist import PersistBackend, PersistJob, ProcessBackend, ThreadBackend, shard_jobs
@@ -1106,6 +1106,65 @@ class Checkpointer:
         log.info("restored step %d from %s", c.step, f"tier {c.tier}" if c.tier < len(self.tiers) else
                  "a peer rank's copy")
         return c.step
+
+    def keep_live(self) -> tuple[int, tuple[dict, dict]] | None:
+        """After the group failed (a peer died: a collective raised): the live state of the last
+        completed step as ``(step, (manifest, tensors))`` kept in this process, for
+        :meth:`restore_live` in the next group formed around it; nothing is written, so the
+        failure is reported without waiting for a save. None (the reason logged) when the live
+        objects hold no step: as for :meth:`save_live` (no live state kept, not a writer, no
+        step completed, a failure inside the optimizer update). The tensors are the live ones:
+        valid while nothing trains them (the training function has returned). Training thread."""
+        if self._live is None:
+            log.info("rank %d keeps no live state (%s)", self.rank,
+                     "it writes no checkpoints" if not self.writer else "built without group=GroupOptions(live=True)")
+            return None
+        why = self._live.usable(self)
+        if why is not None:
+            log.info("rank %d: no live state kept (%s)", self.rank, why)
+            return None
+        return self._live.step, self._live.content(self)
+
+    def restore_live(self, step: int, src: int, kept: tuple[dict, dict] | None) -> int:
+        """Restore ``step`` from the process of rank ``src`` of the default group, a survivor
+        of the previous group that kept its live state (:meth:`keep_live`; ``kept`` is the
+        ``(manifest, tensors)`` this rank kept, or None): ``src`` loads it in process, the
+        others receive it over the group (:func:`cfdist.checkpoint.peer.broadcast_state`): no
+        storage round trip. Collective: every rank calls it with the same ``step`` and
+        ``src``. RNG states: a rank that kept ``step`` itself (``src``, another survivor)
+        resumes with its own, the others with
+        :func:`~cfdist.checkpoint.state.derived_rng_state` of (run seed, rank, step), as after
+        any live recovery (:mod:`cfdist.checkpoint.live`). Raises ``CheckpointError`` on every
+        rank when ``src`` holds no live state of ``step`` (the next recovery then restores from
+        storage) or when it does not fit the live objects. Returns ``step``."""
+        own = kept if kept is not None and kept[0].get("step") == step else None
+        why = ""
+        if self.rank == src:
+            why = ("this process kept no live state" if kept is None else
+                   f"it holds step {kept[0].get('step')}, not {step}" if own is None else "")
+            send = None if own is None else (dict(own[0], world_size=self.world_size), own[1])
+        else:
+            send = None
+        manifest, tensors = peer.broadcast_state(send, src, why=why)
+        where = f"the live state of step {step} from rank {src}"
+        if manifest.get("step") != step:
+            raise CheckpointError(f"{where}: it holds step {manifest.get('step')}")
+        saved, _ = discovery.decode_state(manifest, tensors, where=where)
+        rng = (unflatten(own[0]["rng"], {}) if own is not None
+               else st.rank_rng_state(dict(manifest, rngs=[manifest["rng"] if r == src else None
+                                                           for r in range(self.world_size)]), self.rank, where=where))
+        st.check_compatible(self.state, saved)
+        st.apply(self.state, st.with_rank_buffers(saved, rng.pop("buffers", None)))
+        st.set_rng_state(rng)
+        self._step = step   # not snapshotted: a save() now (the run's end) writes it, it is on no storage
+        if self._live is not None:   # a live state of ``step`` again; not on storage (the floor stays)
+            self._live.step = step
+        self._lineage = retention.after_restore(manifest, step)
+        self._rolled_back = {}
+        self._record_restart(step, live=True)
+        self._policy.restored(step, live=True)
+        log.info("restored step %d from rank %d's live state", step, src)
+        return step
 
     @staticmethod
     def _warn_unusable(c, why: str) -> None:

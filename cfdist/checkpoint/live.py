@@ -179,30 +179,53 @@ class LiveState:
                  " and sent at once" if pending is not None else "; it is sent when the rank halts")
         return n
 
-    def _why_not(self, ckpt) -> str | None:
-        """Why the live state is not written (None: it is)."""
+    def usable(self, ckpt) -> str | None:
+        """Why the live objects are no checkpoint of a step (None: they are one, of
+        :attr:`step`, to keep in process: ``Checkpointer.keep_live``, or to write)."""
         if not ckpt.writer:
             return "this rank does not write checkpoints"
         if not self.trusted:
             return (f"the failure came inside step {self.step + 1}'s optimizer update: the parameters may be "
                     f"partly updated, so the live state is not a checkpoint of any step")
-        if self.step == 0:
+        if self.step == 0 or self._small is None:
             return "no step completed in this attempt"
-        if self.floor >= self.step:
-            return f"step {self.step} is on storage already"
         return None
 
-    def _copy(self, ckpt, buffers: dict | None) -> tuple[Snapshotter, dict, list]:
-        """Step :attr:`step`'s tensors copied into a fresh arena set: the live parameters and
+    def _why_not(self, ckpt) -> str | None:
+        """Why the live state is not written (None: it is): :meth:`usable`, and not a step on
+        storage already."""
+        why = self.usable(ckpt)
+        if why is None and self.floor >= self.step:
+            why = f"step {self.step} is on storage already"
+        return why
+
+    def content(self, ckpt) -> tuple[dict, dict]:
+        """``(manifest, tensors)`` of step :attr:`step` from the live objects, what a checkpoint
+        of it holds, for a survivor that keeps it in process (``Checkpointer.keep_live``): the
+        tensors are the live ones, not copies, valid while nothing trains them. Call only when
+        :meth:`usable` says so."""
+        self.at_boundary()   # the failure came before the next boundary: the state is still its own
+        skeleton, tensors = self._tensors(ckpt, self._small.get("buffers"))
+        return self._manifest(ckpt, skeleton), tensors
+
+    def _tensors(self, ckpt, buffers: dict | None) -> tuple[dict, dict]:
+        """Step :attr:`step`'s skeleton and tensors (the live ones): the parameters and
         optimizer state, the data iterators' kept states, and ``buffers`` (module buffers kept
-        at the boundary) in place of the live ones. Returns the snapshotter, the skeleton and
-        the shards."""
+        at the boundary) in place of the live ones."""
         early = {k: (self._data[k] if k in self._data else st.capture(o))
                  for k, o in self.state.items() if ckpt._kinds[k] == st.EARLY}
         skeleton, tensors = flatten(early)
         if buffers:
             _, kept = flatten(buffers)
             tensors.update({n: t for n, t in kept.items() if n in tensors})
+        return skeleton, tensors
+
+    def _copy(self, ckpt, buffers: dict | None) -> tuple[Snapshotter, dict, list]:
+        """Step :attr:`step`'s tensors copied into a fresh arena set: the live parameters and
+        optimizer state, the data iterators' kept states, and ``buffers`` (module buffers kept
+        at the boundary) in place of the live ones. Returns the snapshotter, the skeleton and
+        the shards."""
+        skeleton, tensors = self._tensors(ckpt, buffers)
         snap = Snapshotter(n_shards=len(ckpt.storages), shared=ckpt.backend.needs_shared_memory)
         try:
             snap.start(tensors, mode="cpu")
@@ -214,8 +237,9 @@ class LiveState:
             raise
         return snap, skeleton, shards
 
-    def _job(self, ckpt, skeleton: dict, shards: list, snap: Snapshotter) -> PersistJob:
-        """The job of step :attr:`step`: the copied tensors and the boundary's small state."""
+    def _manifest(self, ckpt, skeleton: dict) -> dict:
+        """The manifest of step :attr:`step`: ``skeleton`` and the boundary's small state (this
+        rank's RNG states only; the others derive theirs)."""
         small = self._small
         st.refresh_optimizer_groups(skeleton, self.state)   # the lr after the boundary's scheduler step
         rng, _ = flatten(small["rng"], inline_tensors=True)
@@ -225,11 +249,15 @@ class LiveState:
         rngs = [None] * ckpt.world_size
         rngs[ckpt.rank] = rng
         epoch = self.epoch if self.epoch is not None else ckpt._epoch()
-        manifest = {"epoch": epoch, "epoch_end": False, "world_size": ckpt.world_size,
-                    "skeleton": skeleton, "late": late, "rng": rng, "rngs": rngs,
-                    "lineage": ckpt._lineage, "live": {"rank": ckpt.rank}}
-        return PersistJob(step=self.step, manifest=manifest, shards=shards, keep=ckpt.config.keep,
-                          arenas=[a.buf for a in snap.arenas(0)[1]], io=ckpt.config.persist.io)
+        return {"step": self.step, "epoch": epoch, "epoch_end": False, "world_size": ckpt.world_size,
+                "skeleton": skeleton, "late": late, "rng": rng, "rngs": rngs,
+                "lineage": ckpt._lineage, "live": {"rank": ckpt.rank}}
+
+    def _job(self, ckpt, skeleton: dict, shards: list, snap: Snapshotter) -> PersistJob:
+        """The job of step :attr:`step`: the copied tensors and the boundary's small state."""
+        return PersistJob(step=self.step, manifest=self._manifest(ckpt, skeleton), shards=shards,
+                          keep=ckpt.config.keep, arenas=[a.buf for a in snap.arenas(0)[1]],
+                          io=ckpt.config.persist.io)
 
     @staticmethod
     def _submit(ckpt, job: PersistJob, *, durable: bool):

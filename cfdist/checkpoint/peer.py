@@ -94,3 +94,67 @@ def forget(storages: list[Storage], step: int) -> None:
             if parse_step_dir(name) is not None:
                 st.remove(name)
 
+
+
+def broadcast_state(content: tuple[dict, dict] | None, src: int, *, why: str = "") -> tuple[dict, dict]:
+    """Collective over the default group: rank ``src`` sends ``content``, the ``(manifest,
+    tensors)`` of a step held in its process (a survivor's live state,
+    :meth:`cfdist.checkpoint.live.LiveState.content`), and every rank returns it (``src`` its
+    own tensors, no copy; the others fresh CPU tensors). Nothing touches storage: the manifest
+    travels as JSON, the tensors as one byte buffer in :data:`CHUNK` pieces. ``src`` with
+    ``content=None`` makes every rank raise ``CheckpointError`` (``why`` says why it has none)."""
+    import torch.distributed as dist
+
+    dev = _device()
+    me = dist.get_rank()
+    if me == src:
+        if content is None:
+            header = json.dumps({"missing": why or "no live state"}).encode()
+        else:
+            manifest, tensors = content
+            names = sorted(tensors)
+            header = json.dumps({"manifest": manifest, "tensors": [
+                [n, str(tensors[n].dtype).removeprefix("torch."), list(tensors[n].shape)] for n in names]}).encode()
+    else:
+        header = b""
+    size = torch.tensor([len(header)], dtype=torch.int64, device=dev)
+    dist.broadcast(size, src)
+    buf = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev) if me == src
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
+    dist.broadcast(buf, src)
+    head = json.loads(bytes(buf.cpu().numpy().tobytes())) if me != src else json.loads(header)
+    if "missing" in head:
+        raise CheckpointError(f"rank {src} holds no live state to restore from: {head['missing']}")
+    if me == src:
+        _broadcast_tensors([content[1][n] for n, _, _ in head["tensors"]], src, dev)
+        return content
+    out = {n: torch.empty(tuple(shape), dtype=getattr(torch, d)) for n, d, shape in head["tensors"]}
+    _broadcast_tensors([out[n] for n, _, _ in head["tensors"]], src, dev)
+    return head["manifest"], out
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], src: int, dev) -> None:
+    """Broadcast ``tensors`` (the same shapes and dtypes on every rank; on ``src`` the values)
+    as one byte buffer in :data:`CHUNK` pieces, filled back into them on the other ranks."""
+    import torch.distributed as dist
+
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total = sum(sizes)
+    if total == 0:
+        return
+    me = dist.get_rank()
+    if me == src:
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else
+                          torch.empty(0, dtype=torch.uint8) for t in tensors]).to(dev)
+    else:
+        flat = torch.empty(total, dtype=torch.uint8, device=dev)
+    for off in range(0, total, CHUNK):
+        dist.broadcast(flat[off:off + CHUNK], src)
+    if me == src:
+        return
+    flat = flat.cpu()
+    pos = 0
+    for t, n in zip(tensors, sizes):
+        if n:
+            t.reshape(-1).view(torch.uint8).copy_(flat[pos:pos + n])
+        pos += n

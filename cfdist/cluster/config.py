@@ -92,11 +92,14 @@ class RecoveryOptions:
     for preemption notices (None: the cloud's own; a test's fake server otherwise)."""
     live_recovery: bool = True
     """Recover from the survivors' live state: when a rank or a node dies, every surviving
-    node's writer writes the state of the last step it completed to its node's memory tier
-    (no collective, :meth:`cfdist.Checkpointer.save_live`) before its rank stops, and the next
-    group restores the newest step every node can obtain, as from any checkpoint: at most the
-    step in progress is lost, instead of everything since the last checkpoint. False: the
-    survivors stop at once and the run rolls back to the last checkpoint."""
+    node's writer keeps the state of the last step it completed (no collective): with warm
+    spares on CPU in its own process (:meth:`cfdist.Checkpointer.keep_live`), which the next
+    group is formed around and which sends it to the other ranks over that group
+    (:meth:`cfdist.Checkpointer.restore_live`); otherwise it writes it to its node's memory tier
+    (:meth:`cfdist.Checkpointer.save_live`) and the next group restores the newest step every
+    node can obtain, as from any checkpoint. Either way at most the step in progress is lost,
+    instead of everything since the last checkpoint. False: the survivors stop at once and the
+    run rolls back to the last checkpoint."""
     live_timeout_s: float = 30.0
     """How long a survivor's live save may take (its copy and its commit to the memory tier);
     past it the rank stops and the run rolls back to the last checkpoint."""

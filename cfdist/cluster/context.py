@@ -57,7 +57,7 @@ class TrainContext:
 
     def __init__(self, *, info: RankInfo, device: torch.device, tiers: dict, node_actor, policy,
                  keep: int, restore_step: int | None, restore_tier: str, live: bool = False,
-                 staged: list | None = None):
+                 staged: list | None = None, live_source: int | None = None, kept: tuple | None = None):
         self._info = info
         self._live = live
         self.device = device
@@ -72,6 +72,12 @@ class TrainContext:
         """``[ObjectRef]`` of the copy of the restore step to this node's tiers, still running
         while the group starts (``RayBackend.stage``), or None: nothing is copied here."""
         self._stage_wait_s: float | None = None
+        self._live_source = live_source
+        """``restore_tier == "live"``: the rank of this group whose process holds the restore step
+        (a survivor of the previous group); the others receive it from it over the group."""
+        self._kept = kept
+        """On a survivor that kept the restore step (that rank, another): the ``(manifest,
+        tensors)`` it kept (``Checkpointer.keep_live``); its own RNG states come from there."""
         self._lock = threading.Lock()
         self._records: collections.deque = collections.deque()
         self._preempted = threading.Event()
@@ -328,12 +334,18 @@ class _FitCheckpointer(Checkpointer):
 
     def restore(self, step: int | None = None) -> int | None:
         """Load the step the controller chose (``step`` overrides it); None: nothing to load."""
-        want = step if step is not None else self._ctx.restore_step
-        if want is not None:
-            self._ctx._wait_staged()
+        ctx = self._ctx
+        want = step if step is not None else ctx.restore_step
         t0 = time.perf_counter()
-        got = super().restore(want) if want is not None else None
-        self._ctx._on_restored(got, time.perf_counter() - t0)
+        if ctx._restore_tier == "live" and want is not None and want == ctx.restore_step:
+            kept, ctx._kept = ctx._kept, None
+            got = self.restore_live(want, ctx._live_source, kept)
+        else:
+            if want is not None:
+                ctx._wait_staged()
+                t0 = time.perf_counter()
+            got = super().restore(want) if want is not None else None
+        ctx._on_restored(got, time.perf_counter() - t0)
         return got
 
 

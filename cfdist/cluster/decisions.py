@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-TIERS = ("memory", "local", "peer", "shared")
+TIERS = ("live", "memory", "local", "peer", "shared")
 """Where a node's copy of the chosen checkpoint comes from, fastest first."""
 
 
@@ -97,6 +97,9 @@ class Holding:
     """What one source holds: committed steps per tier. ``node_id=None`` is shared storage."""
 
     node_id: str | None
+    live: tuple[int, ...] = ()
+    """Steps a survivor of the failed group on this node keeps in process (its live state): the
+    next group restores one over the group, from that survivor, when it is one of its ranks."""
     memory: tuple[int, ...] = ()
     local: tuple[int, ...] = ()
     shared: tuple[int, ...] = ()
@@ -115,7 +118,8 @@ class RestoreChoice:
     sources: dict = field(default_factory=dict)
     """``{node_id: (tier, from_node_id)}`` for every node of the new group: ``("memory", None)``
     and ``("local", None)`` read its own copy, ``("peer", id)`` is copied from that node's actor,
-    ``("shared", None)`` is read from shared storage."""
+    ``("shared", None)`` is read from shared storage, ``("live", id)`` is sent over the group by
+    a survivor on that node that kept it in process."""
     reason: str = ""
 
     @property
@@ -130,9 +134,12 @@ def choose_restore(holdings: list[Holding], group: list[str], *, peer_copy: bool
                    exclude: frozenset[int] = frozenset()) -> RestoreChoice:
     """The newest step every node of ``group`` (node ids) can obtain, and where each gets it.
 
-    A node obtains a step from its own memory or local tier, else from a surviving peer's actor
-    (``peer_copy``), else from shared storage. Steps in ``exclude`` (failed verification before)
-    are skipped. Pure: holdings are what the surviving actors and shared storage reported.
+    A step a survivor on a node of ``group`` keeps in process (``Holding.live``) reaches every
+    node over the next group, from that survivor: every source is ``("live", its node)``.
+    Otherwise a node obtains a step from its own memory or local tier, else from a surviving
+    peer's actor (``peer_copy``), else from shared storage. Steps in ``exclude`` (failed
+    verification before) are skipped. Pure: holdings are what the surviving actors and shared
+    storage reported.
     """
     own = {h.node_id: h for h in holdings if h.node_id is not None}
     shared = set().union(*(h.shared for h in holdings)) if holdings else set()
@@ -141,10 +148,19 @@ def choose_restore(holdings: list[Holding], group: list[str], *, peer_copy: bool
         if h.node_id is not None:
             for s in (*h.memory, *h.local):
                 peer_held.setdefault(s, h.node_id)
-    all_steps = sorted((set(peer_held) | shared) - set(exclude), reverse=True)
-    inputs = (f"holdings={[(h.node_id and h.node_id[:8], max(h.memory, default=None), max(h.local, default=None), max(h.shared, default=None)) for h in holdings]} "
+    live_held: dict[int, str] = {}
+    for h in holdings:
+        if h.node_id in group:
+            for s in h.live:
+                live_held.setdefault(s, h.node_id)
+    all_steps = sorted((set(peer_held) | shared | set(live_held)) - set(exclude), reverse=True)
+    inputs = (f"holdings={[(h.node_id and h.node_id[:8], max(h.live, default=None), max(h.memory, default=None), max(h.local, default=None), max(h.shared, default=None)) for h in holdings]} "
               f"group={[g[:8] for g in group]} excluded={sorted(exclude)}")
     for step in all_steps:
+        if step in live_held:
+            return RestoreChoice(step, {nid: ("live", live_held[step]) for nid in group},
+                                 f"newest step: {step}, kept in process by a survivor on node "
+                                 f"{live_held[step][:8]}; the others receive it over the group; {inputs}")
         sources = {}
         for nid in group:
             h = own.get(nid)

@@ -69,6 +69,7 @@ class RayBackend:
         self._spares: dict[str, list[tuple]] = {}   # node id -> [(rank actor, warm ref)]: warm spare ranks
         self._spare_pids: dict[object, int] = {}
         self._recycled: set[int] = set()   # id() of spares that are a failed group's survivors
+        self._live_held: dict[str, list[tuple]] = {}   # node id -> [(survivor actor, step it kept in process)]
         self._started_only: set[int] = set()   # id() of spares started but not warmed up yet
         self._fn_ref = None
         self._staging: dict[str, object] = {}   # node id -> ref of the copy :meth:`stage` started, for the next group
@@ -242,6 +243,7 @@ class RayBackend:
                 pass
         for actor, _ in self._spares.pop(node_id, []):
             self._kill_spare(actor)
+        self._live_held.pop(node_id, None)
 
     # ---- warm spare ranks ------------------------------------------------------------------------
     def _refill_spares(self, nodes: list[NodeInfo], *, warm: bool = True) -> None:
@@ -294,7 +296,8 @@ class RayBackend:
         for nid, pool in pools.items():
             for actor, ref in pool:
                 try:
-                    self._spare_pids[actor] = ray.get(ref, timeout=0)
+                    got = ray.get(ref, timeout=0)   # a pid, or a recycled survivor's {"pid", "live_step"}
+                    self._spare_pids[actor] = got["pid"] if isinstance(got, dict) else got
                     out.setdefault(nid, []).append(actor)
                 except (ray.exceptions.RayError, TimeoutError) as e:
                     log.warning("a warm spare on node %s is not usable (%s); starting a fresh rank", nid[:8], e)
@@ -309,6 +312,7 @@ class RayBackend:
             group.shutdown()
             return
         kept = group.recycle()
+        self._live_held = {}
         for nid, pool in kept.items():
             if nid in self.dead or nid in self.excluded:
                 for actor, _ in pool:
@@ -316,6 +320,9 @@ class RayBackend:
                 continue
             self._spares[nid] = pool + self._spares.get(nid, [])
             self._recycled.update(id(actor) for actor, _ in pool)
+        for nid, actor, step in group.live_held:
+            if nid not in self.dead and nid not in self.excluded:
+                self._live_held.setdefault(nid, []).append((actor, step))
 
     def _kill_spare(self, actor) -> None:
         from cfdist.cluster.quiet import expect_death
@@ -377,7 +384,7 @@ class RayBackend:
         if newest is not None and starting:
             ready = [n for n in usable if not n.starting]
             out = self._holdings(ready)
-            if any(max(h.memory + h.local + h.shared, default=-1) >= newest for h in out):
+            if any(max(h.live + h.memory + h.local + h.shared, default=-1) >= newest for h in out):
                 log.info("holdings: node(s) %s still starting their checkpoint actor are not waited for: the "
                          "others hold step %d, the newest there is", [n.name for n in starting], newest)
                 return out
@@ -401,11 +408,24 @@ class RayBackend:
         if early is not None:   # answers not used (an actor gone or replaced since): read, or Ray prints their errors
             _read_in_background([ref for nid, (a, ref) in early[1].items()
                                  if reuse is None or self.actors.get(nid) is not a])
-        out = [Holding(node_id=nid, memory=tuple(h["memory"]), local=tuple(h["local"]))
+        out = [Holding(node_id=nid, memory=tuple(h["memory"]), local=tuple(h["local"]), live=self._live_steps(nid))
                for nid, h in answers.items()]
         if self.config.shared_url():
             out.append(Holding(node_id=None, shared=tuple(self._shared_steps())))
         return out
+
+    def _live_steps(self, node_id: str) -> tuple[int, ...]:
+        """Steps that survivors of the failed group on ``node_id`` keep in process (recycled as
+        that node's spares: :meth:`retire_group`), for a restore over the next group."""
+        pool = {id(a) for a, _ in self._spares.get(node_id, [])}
+        return tuple(sorted({s for a, s in self._live_held.get(node_id, []) if id(a) in pool}))
+
+    def _live_source(self, choice: RestoreChoice):
+        """The survivor actor that holds ``choice``'s step in process (its tier is "live")."""
+        if choice.tier != "live":
+            return None
+        nid = next(peer for t, peer in choice.sources.values() if t == "live")
+        return next(a for a, s in self._live_held.get(nid, []) if s == choice.step)
 
     def _shared_steps(self) -> list[int]:
         for nid, actor in list(self.actors.items()):
@@ -463,10 +483,12 @@ class RayBackend:
             # pays their imports); they warm up once it runs (refill_spares)
             self._refill_spares(nodes, warm=False)
         staged, self._staging = self._staging, {}
+        live_source = self._live_source(choice)
+        self._live_held = {}   # a survivor's kept state serves this group's restore only
         group = RayWorkerGroup(config=self.config, nodes=nodes, node_actors=[self.actors[n.node_id] for n in nodes],
                                tiers=[self.tiers[n.node_id] for n in nodes], attempt=attempt,
                                train_fn=self._fn_ref, policy=self.policy, choice=choice, spares=spares,
-                               unreachable=self.unreachable, staged=staged, begun=begun)
+                               unreachable=self.unreachable, staged=staged, begun=begun, live_source=live_source)
         group.recycled = recycled
         try:
             self.last_restart_s = group.start()

@@ -43,7 +43,8 @@ class RankWorker:
     """One rank. Plain class; the driver wraps it with ``ray.remote``."""
 
     def __init__(self, info: RankInfo | None, *, use_gpu: bool, timeout_s: float, cpus: float,
-                 sigterm_grace_s: float = 25.0, log_dir: str | None = None, live_timeout_s: float | None = None):
+                 sigterm_grace_s: float = 25.0, log_dir: str | None = None, live_timeout_s: float | None = None,
+                 keep_live: bool = False):
         self.log_path = stderr_to_file(log_dir, "rank-worker")
         """This process's log file (None: stderr stays Ray's)."""
         self.info = info
@@ -57,6 +58,10 @@ class RankWorker:
         self.sigterm_grace_s = sigterm_grace_s
         self.live_timeout_s = live_timeout_s
         """How long a live save after a failure may take (None: recovery from live state is off)."""
+        self.keep_live = keep_live and live_timeout_s is not None
+        """After a failure, keep the live state in this process (the driver recycles it into the
+        next group, which restores from it) instead of writing it to the node's memory tier."""
+        self._kept: tuple[int, tuple[dict, dict]] | None = None   # (step, content) of Checkpointer.keep_live
         self._live_saving = threading.Event()
         self.sigterm_handled = False
         self._training = False
@@ -148,19 +153,25 @@ class RankWorker:
         return time.perf_counter() - t0
 
     def run(self, train_fn, *, tiers: dict, node_actor, policy, keep: int,
-            restore_step: int | None, restore_tier: str, staged: list | None = None) -> dict:
+            restore_step: int | None, restore_tier: str, staged: list | None = None,
+            live_source: int | None = None) -> dict:
         """Run ``train_fn(ctx)`` to the end (blocking); then commit the final checkpoint.
 
         ``staged``: ``[ObjectRef]`` of the copy of ``restore_step`` to this node, still running
         (in a list: Ray does not resolve it here); ``ckpt.restore()`` waits for it.
+        ``restore_tier="live"``: ``restore_step`` comes from rank ``live_source``'s process (the
+        live state it kept when the previous group failed), over the new group.
 
         Returns ``{"value": train_fn's return (rank 0), "final_step", "latest_step", "stall_s",
         "seconds"}``. Exceptions propagate to the driver (a failure of this attempt).
         """
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
+        kept, self._kept = self._kept, None   # used by this attempt's restore, or not at all
+        mine = restore_tier == "live" and kept is not None and kept[0] == restore_step   # the source, or a survivor
         self.ctx = TrainContext(info=self.info, device=device, tiers=tiers, node_actor=node_actor,
                                 policy=policy, keep=keep, restore_step=restore_step,
-                                restore_tier=restore_tier, live=self.live_timeout_s is not None, staged=staged)
+                                restore_tier=restore_tier, live=self.live_timeout_s is not None, staged=staged,
+                                live_source=live_source, kept=kept[1] if mine else None)
         t0 = time.perf_counter()
         self._training = True
         self._ended.clear()
@@ -202,10 +213,17 @@ class RankWorker:
 
     def _save_live(self) -> None:
         """The group failed under this rank (a peer died: a collective raised), or halted for a
-        notice that names every node: its node's writer writes the live state of the last step
-        it completed to the node's tiers (:meth:`cfdist.Checkpointer.save_live`; to disk too
-        when halted), so the next group loses at most the step in progress. A save that fails or times out is logged; the run then rolls back to the last
-        checkpoint, as without live recovery."""
+        notice that names every node: its node's writer keeps the live state of the last step
+        it completed, so the next group loses at most the step in progress.
+
+        With ``keep_live`` (the driver recycles this process into the next group) it is kept in
+        this process (:meth:`cfdist.Checkpointer.keep_live`: nothing written, the failure is
+        reported at once) and the next group restores from it (:meth:`recycle` reports the
+        step); halted for a notice (every node is taken: the process dies with its node) or
+        without ``keep_live``, it is written to the node's tiers
+        (:meth:`cfdist.Checkpointer.save_live`; to disk too when halted). A save that fails or
+        times out is logged; the run then rolls back to the last checkpoint, as without live
+        recovery."""
         if self.live_timeout_s is None or self.ctx is None:
             return
         self._live_saving.set()
@@ -215,17 +233,21 @@ class RankWorker:
                 if getattr(ck, "_closed", False) or not ck.writer:
                     continue
                 try:
-                    ck.save_live(timeout_s=self.live_timeout_s, durable=durable)
+                    if self.keep_live and not durable:
+                        self._kept = ck.keep_live()
+                    else:
+                        ck.save_live(timeout_s=self.live_timeout_s, durable=durable)
                 except Exception as err:  # noqa: BLE001 - logged; recovery falls back on the last commit
-                    log.warning("rank %d: the live state could not be written (%s: %s); the run restarts from "
-                                "its last checkpoint", self.info.rank, type(err).__name__, err)
+                    log.warning("rank %d: the live state could not be %s (%s: %s); the run restarts from "
+                                "its last checkpoint", self.info.rank, "kept" if self.keep_live else "written",
+                                type(err).__name__, err)
         finally:
             self._live_saving.clear()
 
     def peer_died(self, wait_s: float = 1.5) -> bool:
         """The driver saw a rank of this attempt die: returns whether this rank is writing its
-        live state (the driver then waits for it), waiting up to ``wait_s`` for it to start or
-        for this rank's run to end. A rank in a collective learns of the death by itself within
+        live state, or (``keep_live``) has kept it and ended (the driver then waits for its
+        outcome), waiting up to ``wait_s`` for it to start or for this rank's run to end. A rank in a collective learns of the death by itself within
         milliseconds; one at the end of its run may instead wait for the dead rank's RNG states
         of the last step (the final checkpoint's exchange) for minutes: its persists in flight
         are given up, so its run's end fails now and it writes its live state of the last step."""
@@ -238,7 +260,9 @@ class RankWorker:
         deadline = time.monotonic() + wait_s
         while not (self._live_saving.is_set() or self._ended.is_set()) and time.monotonic() < deadline:
             time.sleep(0.005)
-        return self._live_saving.is_set()
+        # A rank that kept its live state in process (milliseconds) has ended by now: it is
+        # waited for too, so that its outcome is collected and it is recycled with that state.
+        return self._live_saving.is_set() or (self.keep_live and self._ended.is_set())
 
     def recycle(self) -> int:
         """Make a rank whose attempt failed (its ``run`` raised: a peer died) a warm spare again,
@@ -247,7 +271,8 @@ class RankWorker:
         gives it a role with :meth:`endpoint` and a fresh store and group with :meth:`join`, as
         for any spare (the group is re-formed in process, as NVIDIA's in-process restart does).
         Raises ``RuntimeError`` while ``run`` is still training (the driver then kills it).
-        Returns the pid."""
+        Returns ``{"pid", "live_step"}``: the step of the live state this process kept for the
+        next group (:meth:`_save_live`; None: none)."""
         if self._training:
             raise RuntimeError(f"rank {getattr(self.info, 'rank', '?')} is still training; it cannot be reused")
         ctx, self.ctx = self.ctx, None
@@ -257,7 +282,7 @@ class RankWorker:
             dist.destroy_process_group()
         self._store = None
         self.info = None
-        return os.getpid()
+        return {"pid": os.getpid(), "live_step": self._kept[0] if self._kept is not None else None}
 
     def drain(self) -> list[dict]:
         """Step, metrics and restore records since the last call (empty before ``run``)."""

@@ -55,7 +55,8 @@ class RayWorkerGroup:
 
     def __init__(self, *, config: FitConfig, nodes: list[NodeInfo], node_actors: list, tiers: list[dict],
                  attempt: int, train_fn, policy, choice: RestoreChoice, spares: dict | None = None,
-                 unreachable=None, staged: dict | None = None, begun: list | None = None):
+                 unreachable=None, staged: dict | None = None, begun: list | None = None,
+                 live_source=None):
         self.config = config
         self._unreachable = unreachable
         self._gone: set[str] = set()   # nodes whose raylet was found gone after a failure
@@ -73,6 +74,9 @@ class RayWorkerGroup:
         """Refs of the node actors' ``begin_attempt`` calls: answered before any rank runs (a
         persist of this attempt must not reach an actor still in the previous one)."""
         self._staged = staged or {}
+        self._live_source = live_source
+        """``choice``'s tier is "live": the actor (a recycled survivor among ``spares``) whose
+        process holds the restore step; its rank sends it to the others."""
         """``{node_id: ObjectRef}`` of the copies of the restore step still running (the ranks of
         that node wait for it before restoring)."""
         self._spares = spares or {}
@@ -91,6 +95,9 @@ class RayWorkerGroup:
         self._errors: list[RankError] = []
         self._read_later: list = []   # run() outcomes handed to _read_in_background
         self._hung: dict[int, str] = {}   # rank -> why it was stopped as hung
+        self.live_held: list[tuple] = []
+        """After :meth:`recycle`: ``(node_id, actor, step)`` of each survivor that kept the live
+        state of ``step`` in process (:meth:`RankWorker.recycle`)."""
 
     # ---- start --------------------------------------------------------------------------------
     def start(self) -> float:
@@ -120,6 +127,12 @@ class RayWorkerGroup:
         fn_ref = self._train_fn if isinstance(self._train_fn, ray.ObjectRef) else ray.put(self._train_fn)
         if self._begun:
             ray.get(self._begun, timeout=timeout)
+        src = None
+        if self._live_source is not None:
+            src = next((r for r, wk in enumerate(self.workers) if wk is self._live_source), None)
+            if src is None:
+                raise RuntimeError(f"the survivor holding step {self._choice.step} in process is not one of the "
+                                   f"group's ranks")
         for rank, wk in enumerate(self.workers):
             node_rank = rank // w
             staged = self._staged.get(self.nodes[node_rank].node_id)
@@ -127,7 +140,7 @@ class RayWorkerGroup:
                 fn_ref, tiers=self._tiers[node_rank], node_actor=self._node_actors[node_rank],
                 policy=self._policy, keep=self.config.keep, restore_step=self._choice.step,
                 restore_tier=self._choice.sources.get(self.nodes[node_rank].node_id, ("none", None))[0],
-                staged=None if staged is None else [staged])
+                staged=None if staged is None else [staged], live_source=src)
         return time.perf_counter() - t0
 
     # ---- while running ------------------------------------------------------------------------
@@ -324,8 +337,9 @@ class RayWorkerGroup:
     def recycle(self, timeout_s: float = 2.0) -> dict[str, list[tuple]]:
         """After a failure: the ranks whose ``run`` raised (their process lives, a peer died)
         drop the attempt in process (:meth:`RankWorker.recycle`); returns ``{node_id: [(actor,
-        pid ref)]}`` of those that did within ``timeout_s``, and kills every other rank. The
-        returned actors are warm spares of the next attempt (no process start, torch loaded)."""
+        ref of its answer)]}`` of those that did within ``timeout_s``, and kills every other
+        rank. The returned actors are warm spares of the next attempt (no process start, torch
+        loaded); :attr:`live_held` says which of them kept their live state, of which step."""
         died = {e.rank for e in self._errors if e.actor_died}
         raised = [r for r in range(len(self.workers)) if r not in died and any(e.rank == r for e in self._errors)]
         refs = {r: self.workers[r].recycle.remote() for r in raised}
@@ -335,11 +349,13 @@ class RayWorkerGroup:
             if ref not in ready:
                 continue
             try:
-                ray.get(ref)
+                got = ray.get(ref)
             except ray.exceptions.RayError as e:
                 log.info("rank %d cannot be reused (%s); its process is killed", r, _short(e))
                 continue
             kept.setdefault(self._node_of(r), []).append((self.workers[r], ref))
+            if got.get("live_step"):
+                self.live_held.append((self._node_of(r), self.workers[r], got["live_step"]))
         self.shutdown(keep={id(a) for pool in kept.values() for a, _ in pool})
         return kept
 
@@ -374,7 +390,15 @@ def new_rank_actor(config: FitConfig, node_id: str, info: RankInfo | None):
         max_concurrency=4, max_restarts=0, name=None,
     ).remote(info, use_gpu=config.use_gpu, timeout_s=config.rendezvous_timeout_s, cpus=config.cpus_per_worker,
              sigterm_grace_s=config.sigterm_grace_s, log_dir=config.log_dir,
-             live_timeout_s=config.live_timeout_s if config.live_recovery else None)
+             live_timeout_s=config.live_timeout_s if config.live_recovery else None,
+             keep_live=keep_live(config))
+
+
+def keep_live(config: FitConfig) -> bool:
+    """Whether a survivor of a failed group keeps its live state in process for the next one
+    (live recovery on, and the driver recycles survivors into the next group: warm spares on
+    CPU); otherwise it writes it to its node's memory tier."""
+    return config.live_recovery and config.warm_spares and not config.use_gpu
 
 
 def _answer(ref) -> bool:

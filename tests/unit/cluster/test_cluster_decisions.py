@@ -30,6 +30,17 @@ A, B, C = "a" * 16, "b" * 16, "c" * 16
     ([Holding(node_id=None, shared=(20,))], [C], True, 20, {C: ("shared", None)}),
     # memory newer than local: memory wins; local-only step older
     ([Holding(node_id=A, memory=(16,), local=(12,))], [A], True, 16, {A: ("memory", None)}),
+    # a survivor on A keeps step 13 in process: every node receives it from there, over the group
+    ([Holding(node_id=A, live=(13,), memory=(12,), local=(12,)), Holding(node_id=B, memory=(12,))],
+     [A, B], True, 13, {A: ("live", A), B: ("live", A)}),
+    # ...also a replacement node, and without peer copy (nothing goes actor to actor)
+    ([Holding(node_id=A, live=(13,), memory=(12,))], [A, C], False, 13, {A: ("live", A), C: ("live", A)}),
+    # a survivor whose node is not in the new group is no source: the newest committed step
+    ([Holding(node_id=A, live=(13,), memory=(12,)), Holding(node_id=B, memory=(12,))],
+     [B], True, 12, {B: ("memory", None)}),
+    # a committed step newer than the kept one wins (the kept one is not used)
+    ([Holding(node_id=A, live=(13,), memory=(14,)), Holding(node_id=B, memory=(14,))],
+     [A, B], True, 14, {A: ("memory", None), B: ("memory", None)}),
 ])
 def test_choose_restore(holdings, group, peer_copy, want_step, want_sources):
     c = choose_restore(holdings, group, peer_copy=peer_copy)
@@ -44,6 +55,9 @@ def test_choose_restore_skips_excluded_steps_and_reports_the_slowest_tier():
     assert c.step == 8 and c.sources == {A: ("local", None), C: ("peer", A)}
     assert c.tier == "peer"
     assert choose_restore([], [A]).tier == "none"
+    live = choose_restore([Holding(node_id=A, live=(13,), memory=(12,))], [A, C])
+    assert live.tier == "live" and "kept in process by a survivor" in live.reason
+    assert choose_restore([Holding(node_id=A, live=(13,), memory=(12,))], [A, C], exclude=frozenset({13})).step == 12
 
 
 @pytest.mark.parametrize("usable, want, reason", [

@@ -1,0 +1,144 @@
+"""A survivor's live state, kept in its process, restores a new group over that group.
+
+Real: 2 spawned processes in a gloo process group (FileStore in tmp_path), DDP over a small MLP
+under SGD with momentum and a step LR scheduler, the Checkpointer with
+``GroupOptions(live=True)`` (as ``cfdist.fit`` builds it) over ``file://`` storage.
+
+Rank 0 trains 6 steps beside rank 1 and keeps its live state (``Checkpointer.keep_live``, as
+after its group failed); then both ranks build fresh objects (rank 1's from another seed, as a
+replacement process would, with nothing of the run) and a fresh Checkpointer, and
+``restore_live(6, src=0, ...)`` gives both rank 0's step 6: no file is read or written. Both
+then train on to step 10 and end bit-identical to an uninterrupted run of 10 steps. A source
+without a kept state makes every rank raise ``CheckpointError`` (not hang); a state torn by a
+failure inside the optimizer update is not kept.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import cfdist
+from cfdist.checkpoint.format import CheckpointError
+from cfdist.cluster.exits import ends_process
+from tests.distributed.ranks import gloo_cases, run_ranks
+
+KEPT_AT, END = 6, 10
+
+
+def _objects(seed: int):
+    torch.manual_seed(seed)
+    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return {"model": ddp, "optim": opt, "sched": sched}
+
+
+def _train(objs, ckpt, rank: int, first: int, last: int) -> None:
+    for i in range(first, last + 1):   # each rank's batch of step i depends on (i, rank) only
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * i + rank))
+        objs["model"](x).pow(2).mean().backward()
+        ckpt.step(objs["optim"])
+        objs["sched"].step()
+        objs["optim"].zero_grad()
+
+
+def _state(objs) -> dict:
+    return {"model": {k: v.tolist() for k, v in objs["model"].module.state_dict().items()},
+            "momentum": [objs["optim"].state[p]["momentum_buffer"].tolist() for p in objs["model"].parameters()],
+            "lr": objs["sched"].get_last_lr()}
+
+
+def _ckpt(objs, url: str, name: str):
+    return cfdist.Checkpointer(objs, f"{url}/{name}", cfdist.Every(1000), group=cfdist.GroupOptions(live=True))
+
+
+@ends_process
+def _worker(rank: int, store_path: str, url: str, out: str) -> None:
+    def uninterrupted():
+        objs = _objects(0)
+        ckpt = _ckpt(objs, url, "ref")
+        _train(objs, ckpt, rank, 1, END)
+        ckpt.close()
+        return _state(objs)
+
+    def restored():
+        objs = _objects(0)
+        ckpt = _ckpt(objs, url, "live")
+        _train(objs, ckpt, rank, 1, KEPT_AT)
+        kept = ckpt.keep_live() if rank == 0 else None
+        before = _state(objs)
+        ckpt.abandon()
+        fresh = _objects(1 + rank)   # a replacement's objects: nothing of the run
+        ckpt2 = _ckpt(fresh, url, "live2")
+        got = ckpt2.restore_live(KEPT_AT, 0, kept[1] if kept else None)
+        after_restore = _state(fresh)
+        step_count = ckpt2.step_count
+        _train(fresh, ckpt2, rank, KEPT_AT + 1, END)
+        ckpt2.close()
+        return {"kept_step": kept[0] if kept else None, "got": got, "step_count": step_count,
+                "before": before, "after_restore": after_restore, "end": _state(fresh)}
+
+    def missing():
+        objs = _objects(0)
+        ckpt = _ckpt(objs, url, "missing")
+        try:
+            ckpt.restore_live(3, 0, None)
+        except CheckpointError as e:
+            return str(e)
+        finally:
+            ckpt.abandon()
+        return None
+
+    def torn():
+        objs = _objects(0)
+        ckpt = _ckpt(objs, url, "torn")
+        _train(objs, ckpt, rank, 1, 2)
+        writer = ckpt._live is not None   # rank 0, this machine's writer, keeps a live state
+        if writer:
+            ckpt._live.in_update = True   # as after optimizer.step() raised inside ckpt.step
+        kept = ckpt.keep_live()
+        ckpt.abandon()
+        return {"writer": writer, "kept": kept is not None}
+
+    gloo_cases(rank, 2, store_path, out, [("uninterrupted", uninterrupted), ("restored", restored),
+                                          ("missing", missing), ("torn", torn)])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("restore-live")
+    out = tmp / "out"
+    out.mkdir()
+    codes = run_ranks(_worker, lambda r: (r, str(tmp / "store"), f"file://{tmp}/ckpt", str(out)), 2, 240)
+    assert codes == [0, 0]
+    res = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+    return res, tmp
+
+
+def test_both_ranks_restore_the_survivors_step_and_end_bit_identical_to_the_uninterrupted_run(results):
+    res, tmp = results
+    r0, r1 = res[0]["restored"], res[1]["restored"]
+    assert r0["kept_step"] == KEPT_AT and r0["got"] == r1["got"] == KEPT_AT
+    assert r0["step_count"] == r1["step_count"] == KEPT_AT
+    # the replacement (rank 1, other initial weights) holds exactly rank 0's step 6: model,
+    # momentum, scheduler
+    assert r0["after_restore"] == r0["before"] and r1["after_restore"] == r0["before"]
+    assert r0["end"] == r1["end"] == res[0]["uninterrupted"] == res[1]["uninterrupted"]
+    # nothing went through storage: no step was written for the restored Checkpointer
+    assert not [p for p in (tmp / "ckpt").rglob("step-*") if "live" in str(p)]
+
+
+def test_a_source_without_live_state_fails_every_rank_instead_of_hanging(results):
+    res, _ = results
+    for r in res:
+        assert r["missing"] and "holds no live state" in r["missing"], r["missing"]
+
+
+def test_a_state_torn_inside_the_optimizer_update_is_not_kept(results):
+    res, _ = results
+    assert res[0]["torn"] == {"writer": True, "kept": False}
+    assert res[1]["torn"] == {"writer": False, "kept": False}
