@@ -252,7 +252,8 @@ class Checkpointer:
                 self._hooks.append(obj.register_before_next_hook(self._boundary_hook))
                 self._fetch_hooked = True
         self._copies_reported = 0
-        self._live = LiveState(state, self._kinds) if grp.live and self.writer else None
+        # Every rank keeps it (a non-writer survivor keeps it in process for the next group: ``keep_live``)
+        self._live = LiveState(state, self._kinds) if grp.live else None
         self._bind_policy()
         self.codecs = resolve_codecs(codecs, mtbf_s=self._policy.mtbf_s, history=self._read_json(HISTORY))
         self._codec_session = uuid.uuid4().hex
@@ -574,10 +575,10 @@ class Checkpointer:
         a persist of the same step may wait for the RNG states of a rank that died with the
         notice, while the live state holds this rank's). Raises what the write raised (its own
         timeout included). Training thread, after the loop was left."""
+        if not self.writer:
+            log.info("rank %d writes no checkpoints: no live state to save", self.rank)
+            return None
         if self._live is None:
-            if not self.writer:
-                log.info("rank %d writes no checkpoints: no live state to save", self.rank)
-                return None
             raise RuntimeError("save_live() needs the live state kept at every step: build the Checkpointer "
                                "with group=cfdist.GroupOptions(live=True)")
         deadline = time.monotonic() + min(timeout_s, _LIVE_SETTLE_S)
@@ -855,7 +856,7 @@ class Checkpointer:
         thread runs on to the halt (:meth:`LiveState.halt`; ``save_live`` then waits for it).
         Returns the step whose write began, or None (the training thread's ``save_live``
         writes, as without this)."""
-        if self._live is None or getattr(self, "_closed", False):
+        if self._live is None or not self.writer or getattr(self, "_closed", False):
             return None
         return self._live.halt(self, durable=durable)
 
@@ -1112,12 +1113,12 @@ class Checkpointer:
         completed step as ``(step, (manifest, tensors))`` kept in this process, for
         :meth:`restore_live` in the next group formed around it; nothing is written, so the
         failure is reported without waiting for a save. None (the reason logged) when the live
-        objects hold no step: as for :meth:`save_live` (no live state kept, not a writer, no
-        step completed, a failure inside the optimizer update). The tensors are the live ones:
+        objects hold no step (no live state kept, no step completed, a failure inside the
+        optimizer update). Any rank, writer or not: a survivor on a node whose writer died keeps
+        it too. The tensors are the live ones:
         valid while nothing trains them (the training function has returned). Training thread."""
         if self._live is None:
-            log.info("rank %d keeps no live state (%s)", self.rank,
-                     "it writes no checkpoints" if not self.writer else "built without group=GroupOptions(live=True)")
+            log.info("rank %d keeps no live state (built without group=GroupOptions(live=True))", self.rank)
             return None
         why = self._live.usable(self)
         if why is not None:

@@ -213,15 +213,17 @@ class RankWorker:
 
     def _save_live(self) -> None:
         """The group failed under this rank (a peer died: a collective raised), or halted for a
-        notice that names every node: its node's writer keeps the live state of the last step
-        it completed, so the next group loses at most the step in progress.
+        notice that names every node: it keeps the live state of the last step it completed, so
+        the next group loses at most the step in progress.
 
         With ``keep_live`` (the driver recycles this process into the next group) it is kept in
         this process (:meth:`cfdist.Checkpointer.keep_live`: nothing written, the failure is
         reported at once) and the next group restores from it (:meth:`recycle` reports the
         step); halted for a notice (every node is taken: the process dies with its node) or
-        without ``keep_live``, it is written to the node's tiers
-        (:meth:`cfdist.Checkpointer.save_live`; to disk too when halted). A save that fails or
+        without ``keep_live``, the node's writer writes it to the node's tiers
+        (:meth:`cfdist.Checkpointer.save_live`; to disk too when halted). Any survivor keeps it,
+        writer or not: when a node's writer is the rank that died, the survivor on its node
+        (or on a one-node job, the only survivor) still holds the step. A save that fails or
         times out is logged; the run then rolls back to the last checkpoint, as without live
         recovery."""
         if self.live_timeout_s is None or self.ctx is None:
@@ -230,12 +232,12 @@ class RankWorker:
         durable = self.ctx._halt.is_set()   # a notice named every node: the memory tier dies with them
         try:
             for ck in self.ctx._ckpts:
-                if getattr(ck, "_closed", False) or not ck.writer:
+                if getattr(ck, "_closed", False):
                     continue
                 try:
                     if self.keep_live and not durable:
                         self._kept = ck.keep_live()
-                    else:
+                    elif ck.writer:
                         ck.save_live(timeout_s=self.live_timeout_s, durable=durable)
                 except Exception as err:  # noqa: BLE001 - logged; recovery falls back on the last commit
                     log.warning("rank %d: the live state could not be %s (%s: %s); the run restarts from "

@@ -137,6 +137,25 @@ def test_killed_worker_process_restores_from_memory(fake_cluster, reference, tmp
     assert len(manifests) == 2 and all(len(json.load(open(m))["rngs"]) == 2 for m in manifests), manifests
 
 
+def test_a_killed_writer_whose_survivor_writes_no_checkpoints_loses_at_most_the_step_in_progress(
+        fake_cluster, reference, tmp_path):
+    """One node, two ranks (``cfdist.fit`` on one machine, as the demo runs): rank 0, the node's
+    only writer, is SIGKILLed at step 10. The survivor, rank 1, writes no checkpoints, yet it
+    keeps its live state of the last step it completed in its process, and the next group
+    restores that step from it over the group (tier ``live``): nothing is lost but the step in
+    progress. (Before, only writers kept a live state: the group rolled back to step 8, the
+    newest commit.) Final parameters equal the reference (the same two ranks' math on one node
+    as on two); data exactly once."""
+    fake_cluster.ensure_workers(2)
+    result, out = _fit(fake_cluster, tmp_path, "writer", num_nodes=1, workers_per_node=2, cpus_per_worker=0.5,
+                       schedule=StepSchedule([AtStep(step=10, kind="crash", rank=0)]))
+    assert result.failures == 1 and result.final_step == STEPS
+    (f,) = result.failure_stats
+    assert f.kind == "crash" and f.tier == "live" and f.restored_step >= 10 and f.lost_iterations <= 1, f
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
 def test_a_rank_killed_in_each_phase_of_a_step_loses_at_most_that_step(fake_cluster, reference, tmp_path, phase):
     """Rank 1 SIGKILLs itself inside step 10: in the forward, in the backward (before its
