@@ -97,12 +97,12 @@ def _worker(rank: int, store_path: str, url: str, out: str) -> None:
         objs = _objects(0)
         ckpt = _ckpt(objs, url, "torn")
         _train(objs, ckpt, rank, 1, 2)
-        writer = ckpt._live is not None   # rank 0, this machine's writer, keeps a live state
-        if writer:
+        live = ckpt._live is not None   # every rank keeps one, the writer (rank 0) and the other
+        if live:
             ckpt._live.in_update = True   # as after optimizer.step() raised inside ckpt.step
         kept = ckpt.keep_live()
         ckpt.abandon()
-        return {"writer": writer, "kept": kept is not None}
+        return {"writer": ckpt.writer, "live": live, "kept": kept is not None}
 
     gloo_cases(rank, 2, store_path, out, [("uninterrupted", uninterrupted), ("restored", restored),
                                           ("missing", missing), ("torn", torn)])
@@ -140,5 +140,5 @@ def test_a_source_without_live_state_fails_every_rank_instead_of_hanging(results
 
 def test_a_state_torn_inside_the_optimizer_update_is_not_kept(results):
     res, _ = results
-    assert res[0]["torn"] == {"writer": True, "kept": False}
-    assert res[1]["torn"] == {"writer": False, "kept": False}
+    assert res[0]["torn"] == {"writer": True, "live": True, "kept": False}
+    assert res[1]["torn"] == {"writer": False, "live": True, "kept": False}
