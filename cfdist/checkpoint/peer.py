@@ -71,20 +71,33 @@ def broadcast_checkpoint(step: int, src: int, storages: list[Storage] | None, *,
     import torch.distributed as dist
 
     dev = _device()
-    blob = _bundle(storages, step) if dist.get_rank() == src else b""
-    size = torch.tensor([len(blob)], dtype=torch.int64, device=dev)
+    blob = _bundle(storages, step) if dist.get_rank() == src else None
+    got = _broadcast_bytes(blob, src, dev, keep=need)
+    return _unbundle(got, step) if need else None
+
+
+def _broadcast_bytes(data: bytes | None, src: int, dev, *, keep: bool = True) -> bytes | None:
+    """Collective over the default group: rank ``src`` sends ``data`` (its length first, then
+    :data:`CHUNK`-sized pieces), and every rank returns it; with ``keep=False`` the pieces only
+    pass through (None: this rank needs no copy)."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    size = torch.tensor([len(data) if me == src else 0], dtype=torch.int64, device=dev)
     dist.broadcast(size, src)
     total, got = int(size.item()), bytearray()
     for off in range(0, total, CHUNK):
         n = min(CHUNK, total - off)
-        if dist.get_rank() == src:
-            buf = torch.frombuffer(bytearray(blob[off:off + n]), dtype=torch.uint8).to(dev)
+        if me == src:
+            buf = torch.frombuffer(bytearray(data[off:off + n]), dtype=torch.uint8).to(dev)
         else:
             buf = torch.empty(n, dtype=torch.uint8, device=dev)
         dist.broadcast(buf, src)
-        if need:
+        if keep and me != src:
             got += buf.cpu().numpy().tobytes()
-    return _unbundle(bytes(got), step) if need else None
+    if not keep:
+        return None
+    return data if me == src else bytes(got)
 
 
 def forget(storages: list[Storage], step: int) -> None:
@@ -116,13 +129,8 @@ def broadcast_state(content: tuple[dict, dict] | None, src: int, *, why: str = "
             header = json.dumps({"manifest": manifest, "tensors": [
                 [n, str(tensors[n].dtype).removeprefix("torch."), list(tensors[n].shape)] for n in names]}).encode()
     else:
-        header = b""
-    size = torch.tensor([len(header)], dtype=torch.int64, device=dev)
-    dist.broadcast(size, src)
-    buf = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev) if me == src
-           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
-    dist.broadcast(buf, src)
-    head = json.loads(bytes(buf.cpu().numpy().tobytes())) if me != src else json.loads(header)
+        header = None
+    head = json.loads(_broadcast_bytes(header, src, dev))
     if "missing" in head:
         raise CheckpointError(f"rank {src} holds no live state to restore from: {head['missing']}")
     if me == src:
