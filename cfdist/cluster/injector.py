@@ -168,7 +168,11 @@ class FailureInjector:
         if due:   # one call for the notices of one instant: together they may name every node
             self._notices.update(due)
             self._notice(controller, due, window_s=min(self.events[i].time_s for i in due) - now)
-        if self._held is not None and running and controller.step_now > getattr(controller, "_attempt_base", -1):
+        # A group that has not trained a step yet is still recovering (restoring, or its first
+        # step): the controller's recovery blocks its thread, so the first tick after one sees
+        # the new group running, with every failure that fell due meanwhile.
+        trained = running and controller.step_now > getattr(controller, "_attempt_base", -1)
+        if self._held is not None and trained:
             e, self._held = self._held, None   # the new group trained a step: the held failure lands
             self._run_event(controller, e)
             for r in self._held_returns:       # and the node it took comes back as scheduled
@@ -180,7 +184,7 @@ class FailureInjector:
             if self._next - 1 in self._pool_ids:   # the cloud does not wait for the job: on time
                 self._take_noticed(controller, self._next - 1)
                 continue
-            if e.kind in ("crash", "preempt") and (not running or self._held is not None):
+            if e.kind in ("crash", "preempt") and (not trained or self._held is not None):
                 # Due while recovering: held until the next group trained a step (it lands then);
                 # one more due meanwhile would hit the same recovery: skipped, with the reason.
                 if self._held is None:

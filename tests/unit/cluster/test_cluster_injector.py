@@ -200,3 +200,34 @@ def test_one_failure_is_held_for_the_next_group_until_it_trains_and_more_are_ski
     ctl.step_now = 41
     inj.tick(ctl)
     assert len(ctl.group.crashed) == 1
+
+
+def test_a_failure_due_during_a_recovery_that_blocked_the_controller_waits_for_the_new_group_to_train():
+    """The controller's recovery blocks its thread (no tick while it restarts): its first tick
+    after one sees the new group running but untrained, with the failures that fell due
+    meanwhile. They are held (one) and skipped (the rest), not landed on a group killed at birth
+    (seen under load: a failure every 5 s, restarts of 5 s, 40 failures at the same step)."""
+    clock = Clock()
+    ctl = Ctl(clock)
+    inj = FailureInjector(FixedInterval(5.0, kind="crash", ranks_per_node=1, seed=0), num_nodes=2,
+                          backend=Backend(), clock=clock, horizon_s=40)
+    ctl.step_now = 1
+    clock.t = 100.0
+    inj.tick(ctl)                          # t0 = 100
+    ctl.step_now = 90
+    clock.t = 105.1
+    inj.tick(ctl)                          # the first failure lands on a trained group
+    assert len(ctl.group.crashed) == 1
+    # the recovery blocked the controller for 10 s; it restored step 90, no step trained yet
+    ctl.group = Group()
+    ctl.state, ctl._attempt_base = RunningState(ctl.group), 90
+    clock.t = 115.2
+    inj.tick(ctl)
+    assert ctl.group.crashed == [], "a failure landed on a group that had not trained a step"
+    assert len(ctl.events.of("injection_deferred")) == 1
+    (skip,) = ctl.events.of("injection_skipped")
+    assert "already held for the next group" in skip["reason"]
+    ctl.step_now = 91
+    clock.t = 115.3
+    inj.tick(ctl)
+    assert len(ctl.group.crashed) == 1     # trained a step: the held failure lands
