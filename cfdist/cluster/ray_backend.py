@@ -245,6 +245,20 @@ class RayBackend:
             self._kill_spare(actor)
         self._live_held.pop(node_id, None)
 
+    def drain(self, node_id: str) -> None:
+        """The failure injector takes ``node_id`` out of the cluster without removing it (a
+        simulated preemption; it kills the running group's ranks there itself): every other
+        process cfdist runs there dies as with the machine, its node actor (a fresh one, with
+        an empty memory tier, serves it when it returns), the standby actor and the spare
+        ranks, among them survivors of a failed group with the step they kept in process (a
+        restore must not count on them). Its local disk stays. Excluded from scheduling until
+        the injector returns it."""
+        self.excluded.add(node_id)
+        actor = self.actors.get(node_id)
+        self._forget(node_id)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+
     # ---- warm spare ranks ------------------------------------------------------------------------
     def _refill_spares(self, nodes: list[NodeInfo], *, warm: bool = True) -> None:
         """Start (non-blocking) spare rank processes until each node has one per rank slot.
