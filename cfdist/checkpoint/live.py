@@ -88,6 +88,10 @@ class LiveState:
         self._boundary_due = False
         self._early: tuple | None = None    # (step, Snapshotter, skeleton, shards, pending job | None, t0)
         self._halting: threading.Event | None = None   # set once halt()'s copy is over (or failed)
+        self._saving = False
+        """:meth:`save` began (after the loop was left: a failure, a halt, or the driver's request
+        for a survivor's kept step): a halt announced from then on writes nothing, so that two
+        commits of one step never race. Set and read under :attr:`lock`."""
 
     @property
     def trusted(self) -> bool:
@@ -147,12 +151,14 @@ class LiveState:
         otherwise :meth:`save` sends it, once the boundary's state is taken (the schedulers
         step after the update) or the regular persist of the step is settled. Returns the step copied, or None (the save is left whole
         to the training thread: an update under way, nothing to write, a loop whose update
-        ``ckpt.step`` does not run). The halt's flag must be set before this is called: the
+        ``ckpt.step`` does not run; or a :meth:`save` began already, and it writes the step: a
+        halt that reaches a rank after its collective failed). The halt's flag must be set before this is called: the
         training thread checks it and enters an update under :attr:`lock`, so once this has
         seen no update under way under the lock, none runs any more."""
         with self.lock:
             n = self.step
-            if not (self.trusted and self.own_updates and self._early is None and self._halting is None):
+            if not (self.trusted and self.own_updates and self._early is None and self._halting is None
+                    and not self._saving):
                 return None
             at_boundary = not self._boundary_due and self._small is not None
             done = self._halting = threading.Event()
@@ -279,7 +285,8 @@ class LiveState:
         its fastest only); blocks until it committed or ``timeout_s`` passed. Returns ``(step,
         why)``: the step written, or None and the reason nothing was. What :meth:`halt` copied
         (and sent) for this step is used instead of copying it again."""
-        halting = self._halting
+        with self.lock:   # a halt that comes after this writes nothing (it would commit the step twice)
+            halting, self._saving = self._halting, True
         if halting is not None and not halting.wait(timeout_s):   # a copy on the notice's thread: use it
             return None, f"the copy begun when the halt arrived did not end in {timeout_s:g} s"
         with self.lock:

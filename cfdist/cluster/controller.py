@@ -413,13 +413,15 @@ class Controller:
 
     def _commit_noticed(self, group, last_step: int | None = None) -> None:
         """After the group of a pool notice stopped (halted, or failed meanwhile), or at the
-        notice's deadline, whichever comes first: every node's newest step into its durable
-        tiers before the kill; logged once as ``notice_commit``: whether a step no older than
+        notice's deadline, whichever comes first: the steps survivors kept in process
+        (:meth:`_save_kept`) and every node's newest step into its durable tiers before the
+        kill; logged once as ``notice_commit``: whether a step no older than
         ``last_step`` (the newest step a rank completed) was durable by the deadline, counted
         from the commit's atomic rename on the node (not from when the driver heard of it)."""
         pool = self._pool
         pool["accounted"] = True
         t0 = self.clock()
+        self._save_kept(group, pool["deadline"])
         try:
             got = self.backend.commit_durable(group.nodes, pool["deadline"])
         except Exception as e:  # noqa: BLE001 - reported; recovery goes on from what is committed
@@ -436,6 +438,31 @@ class Controller:
         margin = pool["deadline"] - got["t"]
         self.events.emit("notice_commit", committed=margin >= 0 and got["step"] >= last_step, step=got["step"],
                          tier=got["tier"], margin_s=round(margin, 6), **fields)
+
+    def _save_kept(self, group, deadline: float) -> None:
+        """The group of a pool notice failed: a survivor whose collective failed before the halt
+        reached it (a noticed rank killed at its notice) took that for an ordinary failure and
+        kept its last step in process, which dies with its node. The driver, which has the
+        notice, has those survivors write it to their nodes' durable tiers now
+        (:meth:`RayWorkerGroup.save_kept`), before :meth:`commit_durable` collects the nodes'
+        newest steps; each outcome is logged (``live_durable``), a failed write too."""
+        save = getattr(group, "save_kept", None)
+        if save is None:
+            return
+        try:
+            rows = save(deadline)
+        except Exception as e:  # noqa: BLE001 - reported; the nodes' own commits still count
+            log.warning("asking the survivors to write the step they kept to disk failed: %s", e)
+            self.events.emit("live_durable", rank=None, node=None, step=None, written=None,
+                             error=f"{type(e).__name__}: {e}"[:300])
+            return
+        for r in rows:
+            node = group.node_rank_of(r["node_id"]) if hasattr(group, "node_rank_of") else None
+            fields = {"error": r["error"][:300]} if "error" in r else {"written": r.get("written"), "why": r.get("why")}
+            if "error" in r:
+                log.warning("rank %d could not write the step it kept to disk before the preemption: %s",
+                            r["rank"], r["error"])
+            self.events.emit("live_durable", rank=r["rank"], node=node, step=r.get("step"), **fields)
 
     def _pool_gone(self, st: RecoveringState) -> bool:
         """Recovery after a pool notice waits for the kill (a group started before it would be
@@ -517,14 +544,15 @@ class Controller:
         self.events.emit("detected", t=detected, kind=kind, ranks_failed=len(status.errors),
                          classify_s=round(self.clock() - detected, 6))
         self._end_attempt(st)
+        if self._pool is not None and not self._pool.get("accounted"):
+            # before the survivors are recycled: one that kept its step in process writes it
+            self._commit_noticed(group, step_at)
         retire = getattr(self.backend, "retire_group", None)
         if retire is not None:   # survivors become the next group's spares, in process
             retire(group)
         else:
             group.shutdown()
         self._dead_pids = group.pids()
-        if self._pool is not None and not self._pool.get("accounted"):
-            self._commit_noticed(group, step_at)
         return self._tolerate(failure, st)
 
     def _tolerate(self, failure: Failure, st) -> ControllerState:

@@ -21,7 +21,9 @@ step (``restored`` to ``resumed``); ``resumed.recovery_s`` is the failure to the
 Extra records (``decision``, ``notice``, ``resize``, ``schedule_started``: a failure schedule's
 time 0, the first trained step) carry the controller's decisions with their
 inputs; ``checkpoint_failed`` (``step``, ``errors``, ``error``) says a persist of rank 0 failed
-while training went on; readers ignore unknown events. ``t`` is ``time.time()`` and never decreases within a
+while training went on; ``live_durable`` (``rank``, ``node``, ``step``, ``written`` or
+``error``) says a survivor of a pool notice's group wrote the step it had kept in process to
+its node's disk on the driver's request; readers ignore unknown events. ``t`` is ``time.time()`` and never decreases within a
 log (a record stamped earlier than its predecessor is written with the predecessor's ``t``).
 
 Thread-safety: :meth:`EventLog.emit` may be called from any driver thread.

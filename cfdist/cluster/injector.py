@@ -344,20 +344,15 @@ class FailureInjector:
 
     def _drain(self, node_id: str, *, group, slot: int) -> None:
         """Take a node out of the cluster without removing it: its ranks (of ``group``, if it
-        still runs there) and its node actor are killed, it is excluded from scheduling."""
+        still runs there) are killed, and the backend kills the rest of what runs there and
+        excludes it from scheduling (:meth:`RayBackend.drain`)."""
         import ray
 
-        self.backend.excluded.add(node_id)
         if group is not None and slot < len(group.nodes) and group.nodes[slot].node_id == node_id:
             w = group.world_size // len(group.nodes)
             for r in range(slot * w, (slot + 1) * w):
                 ray.kill(group.actor_of(r), no_restart=True)
-        # Forget the node actor as well as killing it: the node is drained, not lost,
-        # and gets a fresh actor (empty memory tier) when it returns.
-        actor = self.backend.actors.pop(node_id, None)
-        self.backend.tiers.pop(node_id, None)
-        if actor is not None:
-            ray.kill(actor, no_restart=True)
+        self.backend.drain(node_id)
 
     def _execute(self, controller, e) -> None:
         group = self._group(controller)

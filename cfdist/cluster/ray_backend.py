@@ -245,6 +245,28 @@ class RayBackend:
             self._kill_spare(actor)
         self._live_held.pop(node_id, None)
 
+    def drain(self, node_id: str) -> None:
+        """The failure injector takes ``node_id`` out of the cluster without removing it (a
+        simulated preemption; it kills the running group's ranks there itself): excluded from
+        scheduling until the injector returns it, its node actor killed and forgotten (a fresh
+        one, with an empty memory tier, serves it when it returns; its local disk stays), and
+        the survivors of a failed group recycled there with the step they kept in process
+        killed too, as :meth:`retire_group` kills those of a node excluded already (a pool
+        notice's nodes are taken after its group failed: a restore must not count on a process
+        the kill took)."""
+        self.excluded.add(node_id)
+        actor = self.actors.pop(node_id, None)
+        self.tiers.pop(node_id, None)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+        held = {id(a) for a, _ in self._live_held.pop(node_id, [])}
+        if held:
+            pool = self._spares.pop(node_id, [])
+            for a, _ in pool:
+                if id(a) in held:
+                    self._kill_spare(a)
+            self._spares[node_id] = [x for x in pool if id(x[0]) not in held]
+
     # ---- warm spare ranks ------------------------------------------------------------------------
     def _refill_spares(self, nodes: list[NodeInfo], *, warm: bool = True) -> None:
         """Start (non-blocking) spare rank processes until each node has one per rank slot.

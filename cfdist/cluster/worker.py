@@ -246,6 +246,32 @@ class RankWorker:
         finally:
             self._live_saving.clear()
 
+    def save_kept(self, timeout_s: float) -> dict | None:
+        """The driver handles this attempt's failure while a notice that names every node is
+        pending: this rank kept its live state in process (:meth:`_save_live`: its collective
+        failed before the halt reached it, typically because a noticed rank was killed at its
+        notice, so to this rank it was an ordinary failure), but the process dies with its node.
+        The node's writer writes the kept step to the node's durable tier now, from the live
+        objects nothing has trained since (:meth:`cfdist.Checkpointer.save_live` with
+        ``durable=True``, the halt's write: a persist of the same step already writing is
+        waited for instead, and a halt that reaches this rank later writes nothing). Returns
+        ``{"step": the step kept, "written": the step written or None, "why"}``, or None when
+        this rank kept nothing (or still trains). Raises what the write raised (the driver logs
+        it)."""
+        kept = self._kept
+        if kept is None or self.ctx is None or self._training:
+            return None
+        writers = [ck for ck in self.ctx._ckpts if ck.writer and not getattr(ck, "_closed", False)]
+        if not writers:
+            return {"step": kept[0], "written": None, "why": "this rank writes no checkpoints"}
+        written = None
+        for ck in writers:
+            written = ck.save_live(timeout_s=timeout_s, durable=True)
+        why = "written" if written is not None else "nothing written (the reason is in the rank's log)"
+        log.warning("rank %d: a notice names every node: the step %d kept in process %s", self.info.rank, kept[0],
+                    "was written to the node's disk" if written is not None else "was not written")
+        return {"step": kept[0], "written": written, "why": why}
+
     def peer_died(self, wait_s: float = 1.5) -> bool:
         """The driver saw a rank of this attempt die: returns whether this rank is writing its
         live state, or (``keep_live``) has kept it and ended (the driver then waits for its

@@ -334,6 +334,37 @@ class RayWorkerGroup:
                 pass
         return targets, bool(frozen)
 
+    def save_kept(self, deadline: float) -> list[dict]:
+        """After a failure, while a notice that names every node is pending (before
+        :meth:`recycle`): the survivors that kept their live state in process write it to their
+        node's durable tier (:meth:`RankWorker.save_kept`; one writer per node, so one commit of
+        the step per node), all at once; waits until ``deadline`` (wall time) plus a moment.
+        Returns one ``{"rank", "node_id", "step", "written", "why"}`` per survivor that kept a
+        step, ``"error"`` instead of ``"written"`` for one whose write failed or did not end in time."""
+        died = {e.rank for e in self._errors if e.actor_died}
+        raised = [r for r in range(len(self.workers)) if r not in died and self._node_of(r) not in self._gone
+                  and any(e.rank == r for e in self._errors)]
+        timeout = max(0.0, deadline - time.time()) + 2.0
+        refs = {r: self.workers[r].save_kept.remote(timeout) for r in raised}
+        ready, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout + _ASK_S) if refs \
+            else ([], [])
+        if late:
+            _read_in_background(late)
+        out = []
+        for r, ref in refs.items():
+            row = {"rank": r, "node_id": self._node_of(r)}
+            if ref not in ready:
+                out.append(dict(row, step=None, error=f"no answer within {timeout + _ASK_S:.1f} s"))
+                continue
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                out.append(dict(row, step=None, error=_short(e)))
+                continue
+            if got is not None:
+                out.append(dict(row, **got))
+        return out
+
     def recycle(self, timeout_s: float = 2.0) -> dict[str, list[tuple]]:
         """After a failure: the ranks whose ``run`` raised (their process lives, a peer died)
         drop the attempt in process (:meth:`RankWorker.recycle`); returns ``{node_id: [(actor,

@@ -384,6 +384,49 @@ def test_a_halt_that_comes_before_the_update_writes_the_step_before_it_and_skips
     check_exactly_once(str(out), STEPS)
 
 
+@pytest.mark.parametrize("kept", ["in-process", "memory-tier"])
+def test_a_survivor_that_failed_before_the_halt_reached_it_still_commits_the_pool_notices_step(
+        fake_cluster, reference, tmp_path, kept):
+    """Both nodes are noticed at step 10 (a whole pool, 6 s of notice; the commits of steps 4
+    and 8 gave the driver a commit latency, so the group trains on and the halt comes seconds
+    later), and rank 0 (node 0's writer) SIGKILLs itself the moment its notice arrives. Rank 1
+    goes on into step 11, whose all-reduce fails with rank 0's death long before any halt: to
+    rank 1 this is an ordinary failure. ``"in-process"`` (warm spares, the default): it keeps
+    step 10 in its process for the next group; ``"memory-tier"`` (no warm spares): it writes
+    step 10 to its node's memory tier. Both die with the pool. The driver, which received the
+    notice, has the survivor's step written to its node's disk before the kill (the survivor's
+    own ``save_live(durable=True)``, or the node actor's copy of its memory tier), so
+    ``notice_commit`` says step 10 committed, the next group restores 10 (node 1's disk, node 0
+    copies it as a peer), nothing is lost, and the run ends bit-exact with each sample used
+    once. The event log shows the race was the one exercised: the group failed and no halt was
+    ever sent. Real: everything as in the tests above."""
+    fake_cluster.ensure_workers(2)
+    sched = StepSchedule([AtStep(step=10, kind="preempt", node=n, notice_s=6.0) for n in (0, 1)]
+                         + [AtStep(step=10, kind="return", node=n) for n in (0, 1)])
+    name = f"race-{kept}"
+    result, out = _fit(fake_cluster, tmp_path, name, schedule=sched, die_on_notice=(0, 10),
+                       warm_spares=kept == "in-process")
+    recs = _records(tmp_path / f"{name}.jsonl")
+    (d,) = [r for r in recs if r.get("what") == "pool_notice"]
+    assert d["halt_in_s"] > 0, f"the halt was not deferred, so the race was not set up: {d}"
+    fail_i = next(i for i, r in enumerate(recs) if r["event"] == "failure")
+    assert not [r for r in recs[:fail_i] if r["event"] == "halt"], "a halt reached the group before it failed"
+    (nc,) = [r for r in recs if r["event"] == "notice_commit"]
+    assert nc["last_step"] == 10 and nc["step"] == 10 and nc["tier"] == "local", nc
+    assert nc["committed"] and nc["margin_s"] >= 0, nc
+    if kept == "in-process":   # the survivor wrote what it kept, on the driver's request
+        assert [(r["rank"], r["step"], r.get("written")) for r in recs if r["event"] == "live_durable"] == [(1, 10, 10)]
+    taken = [r for r in recs if r["event"] == "node_taken"]
+    assert [r["node"] for r in taken] == [0, 1] and taken[0]["t"] >= nc["t"]
+    (f,) = result.failure_stats
+    assert f.restored_step == 10 and f.lost_iterations == 0, (f, nc)
+    (choice,) = [r for r in recs if r.get("what") == "restore" and r["step"]]
+    assert choice["step"] == 10 and sorted(src for src, _ in choice["sources"].values()) == ["local", "peer"], choice
+    assert result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+
+
 def test_elastic_shrink_then_grow_keeps_data_exactly_once(fake_cluster, tmp_path):
     """Node 1 is lost and no replacement comes: training continues on one node (world size 1);
     when a node returns, the group grows back to 2 at the next checkpoint. Every sample is used

@@ -44,6 +44,13 @@ class Backend:
         self.actors = {"id0": "node-actor-0", "id1": "node-actor-1"}
         self.tiers = {"id0": {}, "id1": {}}
 
+    def drain(self, node_id):   # RayBackend.drain's bookkeeping (with Ray: tests/integration/cluster)
+        import ray
+
+        self.excluded.add(node_id)
+        self.tiers.pop(node_id, None)
+        ray.kill(self.actors.pop(node_id), no_restart=True)
+
 
 class Controller:
     """The injector's view of the controller; notices are recorded (what the job does with

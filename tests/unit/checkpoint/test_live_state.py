@@ -362,6 +362,55 @@ def test_a_halt_gives_up_a_checkpoint_of_the_same_step_not_yet_persisting_and_se
     _resumes_bit_for_bit(url, FAIL_AT - 1, want, every=5)
 
 
+def test_a_halt_that_reaches_a_rank_whose_live_save_began_writes_nothing(tmp_path, caplog):
+    """The group failed in step 6's forward before any halt (a noticed peer was killed at its
+    notice): the rank keeps step 5 in process (``keep_live``), and then, the driver holding the
+    notice, writes it durably (``save_live(durable=True)``, from another thread than training;
+    its copy is held here). The halt reaches the rank while that save runs: it must not start
+    a second write of step 5 (two commits of one step racing for one directory). Step 5 is
+    written once and the run resumes from it bit for bit."""
+    import logging
+
+    from cfdist.checkpoint.discovery import committed_steps
+    from cfdist.storage import open_storage
+
+    want = _reference(tmp_path)
+    url = f"file://{tmp_path}/run"
+    model, opt, sched, loader, ckpt = run = _halting_run(url, every=100, until=FAIL_AT - 1)
+    with pytest.raises(Boom):
+        _train(run, STEPS, fail_at=FAIL_AT)
+    kept = ckpt.keep_live()
+    assert kept is not None and kept[0] == FAIL_AT - 1
+    go, held, copies = threading.Event(), threading.Event(), []
+    copy = ckpt._live._copy
+
+    def held_copy(*a, **kw):
+        copies.append(threading.current_thread().name)
+        if len(copies) == 1:   # the save's copy: held until the halt came and went
+            held.set()
+            assert go.wait(60), "the test never let the copy go"
+        return copy(*a, **kw)
+
+    ckpt._live._copy = held_copy
+    out = {}
+    saver = threading.Thread(target=lambda: out.update(step=ckpt.save_live(timeout_s=30, durable=True)),
+                             name="driver-request")
+    with caplog.at_level(logging.INFO, logger="cfdist.checkpointer"):
+        saver.start()
+        try:
+            assert held.wait(30), "the live save never began its copy"
+            announced = _announce(ckpt)
+        finally:
+            go.set()
+        saver.join(60)
+    assert not saver.is_alive() and out == {"step": FAIL_AT - 1}, out
+    assert announced is None and copies == ["driver-request"], (announced, copies)
+    assert caplog.text.count("wrote the live state of step 5") == 1
+    ckpt.abandon()
+    assert committed_steps(open_storage(url)) == [FAIL_AT - 1]
+    _resumes_bit_for_bit(url, FAIL_AT - 1, want, every=100)
+
+
 def test_save_live_without_the_live_option_says_what_to_change(tmp_path):
     run = _objects(f"file://{tmp_path}/run", live=False)
     _train(run, 2)

@@ -633,6 +633,57 @@ def test_a_pool_notice_with_time_to_spare_trains_on_until_its_margin():
     assert group.halted
 
 
+@pytest.mark.parametrize("outcome", ["written", "error"])
+def test_a_group_that_fails_before_a_pool_notices_halt_has_its_survivors_write_what_they_kept(outcome):
+    """A pool notice whose halt is seconds away (durable commits measured), and rank 0 (a
+    noticed rank) dies at once: rank 1's collective fails before any halt, so it kept its last
+    step (7) in process, where the pool's kill takes it. At the failure the controller asks the
+    group's survivors to write what they kept to disk (``save_kept``, with the notice's
+    deadline) before it asks the nodes what is durable and before it retires the group (which
+    drops the survivors' checkpointers), logs each outcome (``live_durable``, a failed write
+    with its error), accounts for the notice once, and sends no halt to the failed group."""
+    clock = Clock()
+    be, ctl, ev = _pool_run(clock, None)
+    for s_ in range(1, 6):
+        ev.emit("step", t=1000.1 + s_ * 0.1, step=s_)
+        ev.emit("checkpoint_committed", t=1000.15 + s_ * 0.1, step=s_, tier="local")
+    group = be.groups[0][0]
+    calls = []
+    rows = ([{"rank": 1, "node_id": N[1].node_id, "step": 7, "written": 7, "why": "written"}] if outcome == "written"
+            else [{"rank": 1, "node_id": N[1].node_id, "step": 7, "error": "TimeoutError: the write took 9 s"}])
+    group.save_kept = lambda deadline: calls.append(("save_kept", deadline)) or rows
+    commit_durable = be.commit_durable
+    be.commit_durable = lambda nodes, deadline: calls.append(("commit_durable", deadline)) or commit_durable(
+        nodes, deadline)
+    be.retire_group = lambda g: calls.append(("retire", None))
+    be.durable = {"step": 7, "tier": "local", "t": clock.t + 0.5} if outcome == "written" else \
+        {"step": 5, "tier": "local", "t": clock.t}
+    deadline = clock.t + 6.0
+    assert ctl.on_notice([0, 1], 6.0, source="injected") is True
+    (d,) = [d for d in ev.of("decision") if d["what"] == "pool_notice"]
+    assert d["halt_in_s"] > 0 and not group.halted
+    group.script = [GroupStatus(errors=[RankError(0, N[0].node_id, True, "ActorDiedError"),
+                                        RankError(1, N[1].node_id, False, "RuntimeError: Connection reset by peer")])]
+    group.current_step = lambda: 7
+    ctl.step()
+    assert isinstance(ctl.state, RecoveringState)
+    assert calls == [("save_kept", deadline), ("commit_durable", deadline), ("retire", None)], calls
+    (ld,) = ev.of("live_durable")
+    assert (ld["rank"], ld["node"], ld["step"]) == (1, 1, 7)
+    if outcome == "written":
+        assert ld["written"] == 7 and "error" not in ld
+    else:
+        assert ld["error"] == "TimeoutError: the write took 9 s" and "written" not in ld
+    (nc,) = ev.of("notice_commit")
+    assert nc["committed"] is (outcome == "written") and nc["last_step"] == 7, nc
+    for _ in range(100):   # the halt's time passes while recovery waits for the kill
+        ctl.step()
+        if len(be.groups) == 2:
+            break
+    assert len(be.groups) == 2 and clock.t >= deadline, "recovery did not wait for the kill"
+    assert not group.halted and ev.of("halt") == [] and len(ev.of("notice_commit")) == 1
+
+
 def test_without_live_recovery_a_pool_notice_is_an_emergency_checkpoint():
     """Live recovery off: no live state to save at a halt, so every node noticed is the plain
     emergency checkpoint (the ranks checkpoint at a step they agree on)."""

@@ -35,6 +35,16 @@ class Backend:
     def __init__(self):
         self.excluded, self.dead, self.actors, self.tiers = set(), set(), {"id1": "node-actor1"}, {"id1": {}}
 
+    def drain(self, node_id):
+        """As RayBackend.drain does it (Ray's part: tests/integration/cluster)."""
+        import ray
+
+        self.excluded.add(node_id)
+        self.tiers.pop(node_id, None)
+        actor = self.actors.pop(node_id, None)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+
 
 class Ctl:
     def __init__(self, clock):
