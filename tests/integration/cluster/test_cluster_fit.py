@@ -298,6 +298,56 @@ def test_lost_node_is_replaced_and_seeded_from_peer(fake_cluster, reference, tmp
     check_exactly_once(str(out), STEPS)
 
 
+@pytest.mark.parametrize("lost", [1, 0], ids=["node1", "node0-with-the-store"])
+def test_a_lost_node_is_replaced_and_its_ranks_receive_the_survivors_live_step(fake_cluster, reference, tmp_path,
+                                                                             lost):
+    """A whole node is removed at step 10 (its rank's process, its node actor and its memory
+    tier die with it; node 0 also hosts rank 0 and the group's rendezvous store) and a spare
+    node with an empty disk replaces it, under live recovery (the default). The surviving rank
+    keeps the last step it completed in its process, the next group is re-formed around it on
+    its node and the spare, and that step reaches the spare's rank over the new group (tier
+    ``live``, every node's source the survivor's node): nothing is staged or copied between
+    node actors, nothing lost but the step in progress. The lost rank's RNG is derived (seed,
+    rank, step), which this loop does not draw from after its start, so the run still ends
+    bit-identical to the failure-free one, on both nodes' final checkpoints (the spare's written
+    from the state it received); data exactly once."""
+    fake_cluster.ensure_workers(3)   # two in the group, one spare
+    name = f"lost{lost}"
+    result, out = _fit(fake_cluster, tmp_path, name, remove_node=fake_cluster.remove_node,
+                       schedule=StepSchedule([AtStep(step=10, kind="preempt", node=lost)]))
+    assert result.failures == 1, result.failure_stats
+    (f,) = result.failure_stats
+    assert f.kind == "preempt" and f.tier == "live", f
+    # the survivor had completed step 10 at least (the driver saw it) when the node was lost
+    assert f.restored_step >= 10 and f.lost_iterations <= 1, f
+    recs = _records(tmp_path / f"{name}.jsonl")
+    fail_i = next(i for i, r in enumerate(recs) if r["event"] == "failure")
+    assert recs[fail_i]["kind"] == "preempt" and recs[fail_i].get("node") == lost, recs[fail_i]
+    restored = [r for r in recs[fail_i:] if r["event"] == "restored"]
+    assert [r["tier"] for r in restored] == ["live"] and restored[0]["step"] == f.restored_step, restored
+    (choice,) = [r for r in recs if r.get("what") == "restore" and r["step"]]
+    assert choice["step"] == f.restored_step, choice
+    srcs = set(map(tuple, choice["sources"].values()))
+    # one survivor's node is every node's source, the spare's included (no stage, no peer copy)
+    assert len(choice["sources"]) == 2 and len(srcs) == 1 and next(iter(srcs))[0] == "live", choice
+    first = next(r for r in recs if r.get("what") == "group_size")["nodes"]   # node names, by group rank
+    survivor = first[1 - lost]
+    assert fake_cluster.names[next(iter(srcs))[1]] == survivor and survivor in choice["sources"], (first, choice)
+    assert "stage_wait_s" not in restored[0], "a rank waited for a copy of the step to its node"
+    assert not [r for r in recs if r["event"] == "checkpoint_committed" and r.get("live")], \
+        "a live state was written to a tier: the survivor should have kept it in process"
+    assert result.world_sizes == (2, 2) and result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+    # the survivor's node and the spare each wrote the final step from their own rank's state
+    # (the spare's rank holds what it received over the group); the lost node's disk lacks it
+    finals = sorted(glob.glob(f"{tmp_path}/n*/local/{name}/step-{STEPS:09d}/MANIFEST.json"))
+    assert len(finals) == 2, finals
+    want = {"module." + k: v for k, v in reference.items()}
+    for m in finals:
+        _assert_same(load(m.rsplit("/step-", 1)[0])["state"]["model"], want)
+
+
 def test_lost_node_without_peer_copy_restores_from_shared(fake_cluster, reference, tmp_path):
     """As above with ``peer_copy=False``: the spare is seeded from shared storage (written at
     every checkpoint here), still bit-exact; the final checkpoint is in shared storage."""
