@@ -104,8 +104,36 @@ def _worker(rank: int, store_path: str, url: str, out: str) -> None:
         ckpt.abandon()
         return {"writer": ckpt.writer, "live": live, "kept": kept is not None}
 
+    def sliced():
+        """``writers="all"`` (each rank persists a slice): the run that kept step 6 in rank 0's
+        process and the fresh replacement restore it live, then train on into the same root;
+        the next checkpoint (8) must commit sliced again. Beside it, the same sliced run
+        without a failure (root ``sref``), whose step 8 the restored run's must equal."""
+        def ckpt(objs, name):
+            return cfdist.Checkpointer(objs, f"{url}/{name}", cfdist.Every(4), writers="all",
+                                       group=cfdist.GroupOptions(live=True))
+
+        objs = _objects(0)
+        ref = ckpt(objs, "sref")
+        _train(objs, ref, rank, 1, END)
+        ref.close()
+        objs = _objects(0)
+        first = ckpt(objs, "sliced")
+        _train(objs, first, rank, 1, KEPT_AT)   # step 4 commits, in slices
+        first.wait()
+        kept = first.keep_live() if rank == 0 else None
+        first.abandon()
+        fresh = _objects(1 + rank)
+        again = ckpt(fresh, "sliced")
+        got = again.restore_live(KEPT_AT, 0, kept[1] if kept else None)
+        _train(fresh, again, rank, KEPT_AT + 1, END)   # step 8 is the next checkpoint
+        again.wait()
+        latest = again.latest_step
+        again.close()
+        return {"got": got, "latest": latest, "writer": again.writer, "end": _state(fresh)}
+
     gloo_cases(rank, 2, store_path, out, [("uninterrupted", uninterrupted), ("restored", restored),
-                                          ("missing", missing), ("torn", torn)])
+                                          ("missing", missing), ("torn", torn), ("sliced", sliced)])
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +157,8 @@ def test_both_ranks_restore_the_survivors_step_and_end_bit_identical_to_the_unin
     assert r0["after_restore"] == r0["before"] and r1["after_restore"] == r0["before"]
     assert r0["end"] == r1["end"] == res[0]["uninterrupted"] == res[1]["uninterrupted"]
     # nothing went through storage: no step was written for the restored Checkpointer
-    assert not [p for p in (tmp / "ckpt").rglob("step-*") if "live" in str(p)]
+    # (the roots' names: "live" is in the tmp path too)
+    assert not [p for p in (tmp / "ckpt").rglob("step-*") if p.parent.name in ("live", "live2")]
 
 
 def test_a_source_without_live_state_fails_every_rank_instead_of_hanging(results):
@@ -142,3 +171,38 @@ def test_a_state_torn_inside_the_optimizer_update_is_not_kept(results):
     res, _ = results
     assert res[0]["torn"] == {"writer": True, "live": True, "kept": False}
     assert res[1]["torn"] == {"writer": False, "live": True, "kept": False}
+
+
+def test_sliced_writers_commit_the_next_checkpoint_after_a_live_restore(results):
+    """``writers="all"``: after ``restore_live`` (rank 0 kept step 6, rank 1 is a fresh
+    replacement) both ranks are writers again and the next checkpoint, step 8, commits in two
+    slices (one per rank) into the run's root, loads, and holds exactly the state the same
+    sliced run without a failure checkpointed at step 8; the run ends bit-identical to the
+    uninterrupted one."""
+    res, tmp = results
+    for r in res:
+        assert r["sliced"]["got"] == KEPT_AT and r["sliced"]["writer"], r["sliced"]
+        assert r["sliced"]["end"] == res[0]["uninterrupted"]
+    assert res[0]["sliced"]["latest"] == 8, res[0]["sliced"]   # writer 0 commits; it knows the step at once
+    assert [c["step"] for c in cfdist.list_checkpoints(f"file://{tmp}/ckpt/sliced")] == [4, 8]
+    m = json.load(open(tmp / "ckpt" / "sliced" / "step-000000008" / "MANIFEST.json"))
+    assert m["slicing"]["writers"] == 2 and sorted({sh["writer"] for sh in m["shards"]}) == [0, 1], m["slicing"]
+    assert m["lineage"]["restores"][-1] == KEPT_AT, m["lineage"]
+    got, want = (cfdist.load(f"file://{tmp}/ckpt/{n}", step=8)["state"] for n in ("sliced", "sref"))
+    for part in ("model", "optim"):
+        flat_got, flat_want = _flat(got[part]), _flat(want[part])
+        assert flat_got.keys() == flat_want.keys(), part
+        for k in flat_want:
+            assert torch.equal(flat_got[k], flat_want[k]) if isinstance(flat_want[k], torch.Tensor) \
+                else flat_got[k] == flat_want[k], (part, k)
+
+
+def _flat(tree, prefix=""):
+    """``{path: leaf}`` of a nested dict/list of tensors and plain values."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else None
+    if items is None:
+        return {prefix: tree}
+    out = {}
+    for k, v in items:
+        out.update(_flat(v, f"{prefix}/{k}"))
+    return out

@@ -735,6 +735,55 @@ def test_shared_upload_is_sliced_between_the_node_actors(fake_cluster, tmp_path)
     assert EVERY in {r["step"] for r in commits}
 
 
+@pytest.mark.parametrize("rank", [1, 0], ids=["rank1", "rank0-node0-writer"])
+def test_a_killed_rank_recovered_live_with_shared_uploads_in_slices_commits_its_next_checkpoint_sliced(
+        fake_cluster, reference, tmp_path, rank):
+    """``writers="all"`` under ``cfdist.fit``: a 2-node run whose every checkpoint goes to the
+    shared tier in slices, one per node, written from each node's own copy
+    (``shared_writers="all"``, the default; ``ctx.checkpointer`` decides the ranks' writers
+    itself, so this is the job's every-node-writes-a-slice path). A rank's process SIGKILLs
+    itself in the forward of step 10 (rank 1, or rank 0: node 0's writer, whose node actor
+    coordinates the slices, and the host of the group's store). The survivor keeps step 9 in
+    process, a step on no storage, and the next group restores it over the group (tier
+    ``live``, 1 step lost). The point: the slicing is re-formed for the new group after that
+    in-process restore, so the first regular checkpoint after it (12) commits on the shared
+    tier sliced between both nodes (two writers, both nodes named; its manifest, its shards),
+    loads bit-exact equal to node 0's own copy of that step and continues the restore's
+    lineage; so does every later one, and the final one equals the failure-free run; data
+    exactly once."""
+    fake_cluster.ensure_workers(2)
+    name = f"slk{rank}"
+    shared = f"file://{tmp_path}/shared/{name}"
+    result, out = _fit(fake_cluster, tmp_path, name, shared_storage=f"file://{tmp_path}/shared", shared_every=1,
+                       keep=STEPS, kill_in=(rank, 10, "forward"))
+    assert result.failures == 1, result.failure_stats
+    (f,) = result.failure_stats
+    assert f.kind == "crash" and f.tier == "live" and f.restored_step == 9 and f.lost_iterations <= 1, f
+    recs = _records(tmp_path / f"{name}.jsonl")
+    fail_i = next(i for i, r in enumerate(recs) if r["event"] == "failure")
+    assert [r["tier"] for r in recs[fail_i:] if r["event"] == "restored"] == ["live"]
+    assert result.world_sizes == (2, 2) and result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+
+    groups = [r["nodes"] for r in recs if r.get("what") == "group_size"]
+    assert len(groups) == 2 and sorted(groups[0]) == sorted(groups[1]), groups
+    # the shared commits in the event log (the final one is flushed at the run's end, after
+    # the last drain of the node actors' records: its manifest is checked below)
+    shared_commits = {r["step"]: r for r in recs if r["event"] == "checkpoint_committed" and r["tier"] == "shared"}
+    assert sorted(shared_commits) == [4, 8, 12, 16, 20], sorted(shared_commits)
+    assert all(c["writers"] == 2 and sorted(c["writer_nodes"]) == sorted(groups[1]) for c in shared_commits.values()), \
+        shared_commits
+    for s in (12, 16, 20, STEPS):
+        m, tensors = _loaded(shared, s)
+        assert m["slicing"]["writers"] == 2 and sorted(m["slicing"]["nodes"]) == sorted(groups[1]), (s, m["slicing"])
+        assert sorted({sh["writer"] for sh in m["shards"]}) == [0, 1], (s, m["shards"])
+        _, own = _loaded(f"file://{tmp_path}/{m['slicing']['nodes'][0]}/local/{name}", s)
+        assert own.keys() == tensors.keys() and all(torch.equal(own[k], tensors[k]) for k in own), s
+        assert m["lineage"]["restores"][-1] == f.restored_step, (s, m["lineage"])   # it continues the live restore
+    _assert_same(load(shared)["state"]["model"], {"module." + k: v for k, v in reference.items()})
+
+
 @pytest.mark.heavy
 def test_three_node_fit_with_shared_writers_2_uploads_each_shared_step_from_two_nodes(fake_cluster, tmp_path):
     """``cfdist.fit`` on 3 fake nodes with a shared tier at every checkpoint and
