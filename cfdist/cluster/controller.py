@@ -320,16 +320,9 @@ class Controller:
                          **({"stage_wait_s": r["stage_wait_s"]} if r.get("stage_wait_s") is not None else {}))
 
     def _on_commit(self, st: RunningState, c: dict) -> ControllerState | None:
-        key = (c["step"], c["tier"])
-        if key in self._committed:
-            return None   # every node commits the same step: log the first
-        self._committed.add(key)
-        node = st.group.node_rank_of(c.get("node_id")) if hasattr(st.group, "node_rank_of") else None
-        who = {"writers": c["writers"], "writer_nodes": c.get("nodes")} if "writers" in c else {}   # shared tier
-        live = {"live": True} if c.get("live") else {}
-        at = {"committed_at": round(c["committed_at"], 6)} if c.get("committed_at") else {}   # its atomic rename
-        self.events.emit("checkpoint_committed", t=c["t"], step=c["step"], tier=c["tier"], node=node,
-                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who, **live, **at)
+        if not self._log_commit(st, c):
+            return None
+        live = c.get("live")
         if self._grow_to is None or c["step"] < self._grow_step or live:
             return None
         self.events.emit("resize", step=c["step"], world_size=st.group.world_size,
@@ -340,6 +333,21 @@ class Controller:
         self._grow_to = None
         self._recovery = {"resume": True, "failed_at": self.clock(), "detected_at": self.clock()}
         return RecoveringState(resize=True)
+
+    def _log_commit(self, st: RunningState, c: dict) -> bool:
+        """The event log's ``checkpoint_committed`` record of an actor's commit; False when that
+        step and tier were logged already."""
+        key = (c["step"], c["tier"])
+        if key in self._committed:
+            return False   # every node commits the same step: log the first
+        self._committed.add(key)
+        node = st.group.node_rank_of(c.get("node_id")) if hasattr(st.group, "node_rank_of") else None
+        who = {"writers": c["writers"], "writer_nodes": c.get("nodes")} if "writers" in c else {}   # shared tier
+        live = {"live": True} if c.get("live") else {}
+        at = {"committed_at": round(c["committed_at"], 6)} if c.get("committed_at") else {}   # its atomic rename
+        self.events.emit("checkpoint_committed", t=c["t"], step=c["step"], tier=c["tier"], node=node,
+                         bytes=c.get("bytes"), persist_s=c.get("persist_s"), **who, **live, **at)
+        return True
 
     # ---- preemption notices ---------------------------------------------------------------------
     def on_notice(self, nodes: list[int], window_s: float, *, source: str | None, **detail) -> bool:
@@ -575,6 +583,8 @@ class Controller:
         self.step_now = final
         try:
             self._final_url = self.backend.finish()
+            for c in self.backend.drain_commits(final=True):   # finish()'s upload is recorded on its actor
+                self._log_commit(st, c)
         finally:
             st.group.shutdown()
         self.events.emit("end", step=final, checkpoint=self._final_url)

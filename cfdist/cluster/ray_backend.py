@@ -42,6 +42,7 @@ _EARLY_HOLDINGS_S = 1.0
 """How long after :meth:`RayBackend.lost_nodes` its early holdings questions stand for
 :meth:`RayBackend.holdings` (a recovery asks within milliseconds; one that waited for nodes asks again)."""
 _DRAIN_S = 0.1
+_FINAL_DRAIN_S = 10.0   # the run's last drain (after finish()): a live actor answers in milliseconds
 """How long a poll waits for the node actors' answers to the commit records it asked for (they
 answer in milliseconds; one of a node just lost answers only once Ray's health checks fail).
 An answer still pending from an earlier poll is not waited for again."""
@@ -532,13 +533,15 @@ class RayBackend:
             self._refill_standby(self.group.nodes)
         self.warm_spare_nodes()
 
-    def drain_commits(self) -> list[dict]:
+    def drain_commits(self, final: bool = False) -> list[dict]:
         """Commit records of the node actors since the previous call. Each actor is asked once
         at a time; the answers asked for now get up to ``_DRAIN_S``, and one still pending from
         an earlier call (its node was just lost, and Ray answers for it only once its health
         checks fail: seconds) is only looked at: it is read at a later call. After the group
         failed nothing is waited for: the failure's detection must not wait for a dead node's
-        actor (it made a lost node's detection 1.3 s instead of 0.2 s in 4 of 10 recoveries)."""
+        actor (it made a lost node's detection 1.3 s instead of 0.2 s in 4 of 10 recoveries).
+        ``final``: the run's last call, after :meth:`finish` (whose shared upload's record is
+        still on the actor): every answer, earlier ones included, gets up to ``_FINAL_DRAIN_S``."""
         out = []
         # not the actors of a node the group found gone: a call to one waits for Ray to give up
         gone = getattr(self.group, "_gone", set()) if self.group is not None else set()
@@ -550,10 +553,13 @@ class RayBackend:
                 fresh.append(self._draining[nid][1])
         asked = {nid: a_ref for nid, a_ref in self._draining.items() if nid not in gone}
         ready = []
-        if fresh and not failed:
+        if final:
+            refs = [ref for _, ref in asked.values()]
+            ready = ray.wait(refs, num_returns=len(refs), timeout=_FINAL_DRAIN_S)[0] if refs else []
+        elif fresh and not failed:
             ready, _ = ray.wait(fresh, num_returns=len(fresh), timeout=_DRAIN_S)
         earlier = [ref for _, ref in asked.values() if ref not in set(ready)]
-        if earlier:
+        if earlier and not final:
             ready += ray.wait(earlier, num_returns=len(earlier), timeout=0)[0]
         ready = set(ready)
         for nid, (actor, ref) in asked.items():

@@ -129,8 +129,9 @@ class ClusterBackend(Protocol):
     def start_group(self, nodes: list[NodeInfo], choice: RestoreChoice, attempt: int,
                     dead_pids: list[int]) -> WorkerGroup: ...
 
-    def drain_commits(self) -> list[dict]:
-        """Commit records of the node actors since the previous call."""
+    def drain_commits(self, final: bool = False) -> list[dict]:
+        """Commit records of the node actors since the previous call; ``final``: the run's
+        last call, after :meth:`finish`, which waits for every live actor's answer."""
 
     def commit_durable(self, nodes: list[NodeInfo], deadline: float) -> dict | None:
         """Before every node of the group is taken: each node's newest step into its durable

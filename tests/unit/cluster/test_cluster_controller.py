@@ -93,11 +93,15 @@ class FakeBackend:
         self.groups.append((g, choice))
         return g
 
-    def drain_commits(self):
+    def drain_commits(self, final=False):
+        self.drained_final = getattr(self, "drained_final", 0) + bool(final)
         out, self.commits = self.commits, []
         return out
 
+    final_commits = ()   # what finish() leaves on the actors (the test sets it)
+
     def finish(self):
+        self.commits += list(self.final_commits)
         return "file:///ckpt/step-000000010"
 
     durable = None   # what commit_durable answers (the test sets it)
@@ -330,6 +334,21 @@ def test_commits_are_logged_once_per_step_and_tier_in_time_order():
     assert ev.of("checkpoint_committed")[0]["committed_at"] == 1001.9   # its atomic rename, before the report
     ts = [r["t"] for r in ev.records]
     assert ts == sorted(ts)
+
+
+def test_the_final_upload_s_commit_recorded_by_finish_reaches_the_event_log_before_the_end():
+    clock = Clock()
+    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1001.0, 10)]),
+                              GroupStatus(finished=True, results={0: {"final_step": 10}})]])
+    be.final_commits = [{"t": 1002.0, "step": 10, "tier": "shared", "node_id": N[0].node_id, "writers": 2,
+                         "nodes": ["n0", "n1"]},
+                        {"t": 1002.1, "step": 10, "tier": "shared", "node_id": N[1].node_id}]   # logged once
+    ctl, ev = make(be, clock)
+    assert drive(ctl) == ["recovering", "running", "running", "finished"]
+    assert be.drained_final == 1
+    shared = [r for r in ev.records if r["event"] == "checkpoint_committed" and r["tier"] == "shared"]
+    assert [(r["step"], r["writers"], r["writer_nodes"]) for r in shared] == [(10, 2, ["n0", "n1"])], shared
+    assert [r["event"] for r in ev.records][-2:] == ["checkpoint_committed", "end"]
 
 
 def test_a_cloud_notice_flags_the_node_and_takes_an_emergency_checkpoint_when_it_fits():
