@@ -128,7 +128,12 @@ def test_a_cpu_figure_within_the_baselines_own_spread_is_marked_noisy():
     assert b["cpu_noise_s"] == pytest.approx(0.5)
     row = next(r for r in a["targets"] if r["target"] == report.TARGETS["cpu"])
     assert row["noisy"] is True                                         # cfdist's 0.5 / 0 s: not above it
+    assert row["met"] is None                                           # neither a pass nor a miss
+    assert "own spread +- 3.33x" in row["measured"]                     # 0.5 s over the 0.15 s reference
     assert "(within noise)" in "\n".join(report.method_table(b))
+    md = report.markdown(res)
+    line = next(ln for ln in md.splitlines() if ln.startswith(f"| {report.TARGETS['cpu']}"))
+    assert line.endswith("| within noise: undecided |")
 
 
 def test_a_noisy_overhead_is_marked_in_the_report():
