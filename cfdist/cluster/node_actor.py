@@ -91,6 +91,11 @@ def _sweep_orphans(run_name: str, node_id: str) -> None:
                 pass
 
 
+SUMS_WAIT_S = 2.0
+"""How long a peer asked for its copy of a step (:meth:`NodeCheckpointer.step_sums`) waits for
+that step's persist to arrive and finish (its rank submits it at the same time as node 0's)."""
+
+
 class _Unsliceable(Exception):
     """A step that cannot be uploaded in slices (nothing written yet): it goes whole."""
 
@@ -195,6 +200,8 @@ class NodeCheckpointer:
         self._shared_done: int | None = None
         self._shared_error: str | None = None
         self._shared_cv = threading.Condition()
+        self._persisted_cv = threading.Condition()
+        self._persisted = -1   # the newest step a persist of this attempt finished with (see step_sums)
         self._closing = False
         self._shared_thread = threading.Thread(target=self._shared_loop, name="cfdist-shared", daemon=True)
         self._watcher = None
@@ -258,6 +265,9 @@ class NodeCheckpointer:
             self._whole_only = False
         with self._gates_lock:
             self._superseded_below = 0   # the next group may restore an older step
+        with self._persisted_cv:
+            self._persisted = -1
+            self._persisted_cv.notify_all()
         self.forget_workers(dead_pids)
 
     def kill_workers(self, pids) -> list[int]:
@@ -290,6 +300,15 @@ class NodeCheckpointer:
         """Write ``job`` to the memory and local tiers (blocking the caller's handle only);
         ``to_disk=False`` (a ``memory_every`` snapshot): the memory tier only; ``memory=False``
         (every node is about to be taken): the local tier only, when the node has one."""
+        try:
+            return self._persist(job, attempt, to_disk, memory)
+        finally:   # a peer's step_sums may be waiting for this step (committed or not)
+            with self._persisted_cv:
+                if attempt == self._attempt:
+                    self._persisted = max(self._persisted, job.step)
+                self._persisted_cv.notify_all()
+
+    def _persist(self, job: PersistJob, attempt: int, to_disk: bool, memory: bool) -> CommitInfo:
         t0 = time.perf_counter()
         if to_disk and not memory and self.local is not None:
             self._supersede(job.step)   # a halted group's live state: nothing older holds it up
@@ -449,11 +468,26 @@ class NodeCheckpointer:
                     return m, (read_tensors(sts, step, m, names=names) if names is not None else None)
         return None
 
-    def step_sums(self, step: int) -> dict | None:
+    def step_sums(self, step: int, wait_s: float = SUMS_WAIT_S) -> dict | None:
         """``{"node": this node's name, "sums": each tensor's checksum}`` of this node's copy of
-        ``step`` (None: no copy, or one that cannot be sliced: encoded by codecs)."""
+        ``step`` (None: no copy, or one that cannot be sliced: encoded by codecs).
+
+        Node 0 asks as soon as its own copy committed; this node's rank submits the same step
+        at the same time, and its job may not have arrived yet (a loaded machine: tens of ms).
+        So while no persist of this attempt has finished with ``step`` or a newer one, it waits
+        for one, up to ``wait_s``, instead of answering "no copy" and leaving the upload whole."""
+        deadline = time.monotonic() + wait_s
         got = self._read_node_copy(step)
-        if got is None or got[0].get("codecs"):
+        if got is None:
+            with self._persisted_cv:
+                self._persisted_cv.wait_for(lambda: self._persisted >= step or self._closing,
+                                            timeout=max(0.0, deadline - time.monotonic()))
+                finished = self._persisted >= step
+            # read again once it finished: committed, or not (it failed, or a newer step came)
+            got = self._read_node_copy(step) if finished else None
+            if got is None:
+                return None
+        if got[0].get("codecs"):
             return None
         return {"node": self.node_name, "sums": {k: t.get("xxh3") for k, t in got[0]["tensors"].items()}}
 
@@ -708,6 +742,8 @@ class NodeCheckpointer:
         with self._shared_cv:
             self._closing = True
             self._shared_cv.notify_all()
+        with self._persisted_cv:
+            self._persisted_cv.notify_all()   # a peer's step_sums waiting here answers now
         if self._shared_thread.is_alive():
             self._shared_thread.join(timeout=60)
         self.forget_workers(dead_pids)

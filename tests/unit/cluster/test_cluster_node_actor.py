@@ -10,6 +10,7 @@ import functools
 import os
 import pickle
 import threading
+import time
 import uuid
 
 import pytest
@@ -329,3 +330,33 @@ def test_a_live_state_for_the_disk_cuts_an_older_disk_write_short(actors, monkey
     _train(ck2, m2, opt2, 2)
     ck2.close()
     assert 2 in committed_steps(a.local[0])
+
+
+@pytest.mark.parametrize("shared", ["file"], indirect=True)
+def test_a_peer_asked_for_a_step_its_rank_has_not_submitted_yet_answers_once_it_committed(actors):
+    """Node 0 asks its peers for their copy of a step (``step_sums``) as soon as its own copy
+    committed; a peer's rank submits the same step at the same time and may be behind. The
+    peer waits for that persist instead of answering "no copy" (which left the shared upload
+    whole); a step this attempt went past without a copy is answered at once."""
+    _, b = actors
+    b.begin_attempt(0, shared_writer=False)
+    ex = cf.ThreadPoolExecutor(1)
+    asked = ex.submit(b.step_sums, 2, 60.0)
+    deadline = time.monotonic() + 30
+    while len(b._persisted_cv._waiters) != 1:   # the question is in, before any step is
+        assert not asked.done(), f"step_sums answered before step 2 was persisted: {asked.result()}"
+        assert time.monotonic() < deadline, "step_sums(2) never started waiting for the step"
+        time.sleep(0.01)
+    m, opt = _state()
+    ck = cfdist.Checkpointer({"model": m, "optim": opt}, b.ready()["memory"], cfdist.Every(2),
+                             writers=True, persist=cfdist.PersistOptions(backend=InProcess(b)))
+    _train(ck, m, opt, 4)
+    ck.wait()
+    got = asked.result(timeout=60)
+    assert got is not None and got["node"] == "b", got
+    assert set(got["sums"]) >= {"model/weight", "model/bias"} and all(got["sums"].values()), got
+    t0 = time.monotonic()
+    assert b.step_sums(3, 60.0) is None            # steps 2 and 4 persisted, 3 never will
+    assert time.monotonic() - t0 < 10, "waited for a step the attempt had gone past"
+    ck.close()
+    ex.shutdown()
