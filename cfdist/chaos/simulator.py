@@ -191,13 +191,22 @@ class FixedK:
 
 @dataclass(frozen=True, kw_only=True)
 class Auto:
-    """CheckFreq: the most frequent k whose checkpoints fit the overhead budget (:func:`checkfreq_k`)."""
+    """CheckFreq: the most frequent k whose checkpoints fit the overhead budget (:func:`checkfreq_k`).
+
+    Under live recovery (``simulate(live=True)``) what :class:`cfdist.Auto` does before it has
+    seen a failure that took every replica: Young/Daly's interval for ``replica_loss_mtbf_s``,
+    never shorter than the budget's (:func:`failure_aware_k`). (The real policy then measures
+    that rate from its restarts; the simulated one keeps the assumption.)"""
 
     overhead_budget: float = 0.035
     """p: largest stall overhead allowed, as a fraction of iteration time."""
+    replica_loss_mtbf_s: float = 3600.0
+    """With live recovery: the MTBF assumed for failures that take every replica
+    (``cfdist.Auto``'s ``replica_loss_mtbf_s``)."""
 
     def __post_init__(self) -> None:
         _check_budget("Auto", self.overhead_budget)
+        check_number("Auto", "replica_loss_mtbf_s", self.replica_loss_mtbf_s, positive=True, hint=" seconds")
 
     @property
     def name(self) -> str:
@@ -231,14 +240,29 @@ class FailureAware:
 SimPolicy = EpochBoundary | FixedK | Auto | FailureAware
 
 
-def estimate_mtbf(events: Sequence[FailureEvent], horizon_s: float) -> float:
-    """Horizon / number of distinct instants with a crash or preemption (inf if none)."""
-    n = len({e.time_s for e in events if e.is_failure and e.time_s < horizon_s})
-    return horizon_s / n if n else math.inf
+def estimate_mtbf(events: Sequence[FailureEvent], horizon_s: float, *, live: bool = False,
+                  nodes: int = 1, workers_per_node: int = 1) -> float:
+    """Horizon / number of distinct instants with a crash or preemption (inf if none).
+
+    ``live``: only the instants whose failures leave no rank of a ``nodes`` x
+    ``workers_per_node`` job running (every node preempted, or the crashes take every rank left)
+    count: with live recovery the others roll nothing back."""
+    at: dict[float, list[FailureEvent]] = {}
+    for e in events:
+        if e.is_failure and e.time_s < horizon_s:
+            at.setdefault(e.time_s, []).append(e)
+    if live:
+        def every_replica(hits: list[FailureEvent]) -> bool:
+            gone = {e.node for e in hits if e.kind == "preempt"}
+            return (nodes - len(gone)) * workers_per_node - sum(e.kind == "crash" for e in hits) <= 0
+        at = {t: hits for t, hits in at.items() if every_replica(hits)}
+    return horizon_s / len(at) if at else math.inf
 
 
-def resolve_k(policy: SimPolicy, costs: Costs, *, mtbf_s: float, k_max: int | None = None) -> tuple[int, str]:
-    """``(k, reason)``: the interval the policy checkpoints at, and the inputs that decided it."""
+def resolve_k(policy: SimPolicy, costs: Costs, *, mtbf_s: float, k_max: int | None = None,
+              live: bool = False) -> tuple[int, str]:
+    """``(k, reason)``: the interval the policy checkpoints at, and the inputs that decided it.
+    ``live``: the job recovers single failures from live replicas (see :class:`Auto`)."""
     c = costs
     given = f"Ti={c.iter_s:g}s To={c.stall_s:g}s Tc={c.snapshot_s:g}s Ts={c.persist_s:g}s"
     if isinstance(policy, EpochBoundary):
@@ -247,6 +271,11 @@ def resolve_k(policy: SimPolicy, costs: Costs, *, mtbf_s: float, k_max: int | No
         return policy.k, f"k={policy.k} (fixed)"
     args = dict(iter_s=c.iter_s, stall_s=c.stall_s, snapshot_s=c.snapshot_s, persist_s=c.persist_s,
                 overhead_budget=policy.overhead_budget)
+    if isinstance(policy, Auto) and live:
+        mtbf = policy.replica_loss_mtbf_s
+        k = failure_aware_k(**args, mtbf_s=mtbf, k_max=k_max)
+        return k, (f"k={k} because {given} p={policy.overhead_budget:.1%} live recovery: "
+                   f"assumed MTBF of replica loss={mtbf:.0f}s")
     if isinstance(policy, Auto):
         k = checkfreq_k(**args)
         return k, f"k={k} because {given} p={policy.overhead_budget:.1%}"
@@ -516,7 +545,8 @@ def simulate(
     events = schedule.events(nodes, horizon_s) if hasattr(schedule, "events") else sort_events(list(schedule))
     _check_events(events, nodes)
     k_max = max(1, _ceil(horizon_s / costs.iter_s))
-    k, reason = resolve_k(policy, costs, mtbf_s=estimate_mtbf(events, horizon_s), k_max=k_max)
+    mtbf = estimate_mtbf(events, horizon_s, live=live, nodes=nodes, workers_per_node=workers_per_node)
+    k, reason = resolve_k(policy, costs, mtbf_s=mtbf, k_max=k_max, live=live)
     run = _Run(k=k, costs=costs, nodes=nodes, replicas=nodes * workers_per_node, live=live)
     i = 0
     while i < len(events) and events[i].time_s < horizon_s:

@@ -344,7 +344,7 @@ class Checkpointer:
             # interval answers to (with live recovery, those that take every replica)
             cached_profile=None, failure_times_s=[r["time"] for r in hist.get("restarts", []) if not r.get("live")],
             now_s=self._bound_at, started_s=hist.get("started"), state_signature=signature,
-            buffers=self.config.buffers,
+            buffers=self.config.buffers, live_recovery=self.config.group.live and self.world_size > 1,
         )
         self._profile_name = f"profile-{pb.profile_key(ctx)}.json"
         cached = self._from_rank0("profile", lambda: self._read_json(self._profile_name))

@@ -155,7 +155,7 @@ def candidate_costs(job: Job, cand: Candidate, *, mtbf_s: float) -> Model:
     if cand.policy.startswith("every:"):
         k, reason = resolve_k(FixedK(k=int(cand.policy[6:])), base, mtbf_s=mtbf_s)
     elif cand.policy == "auto":
-        k, reason = resolve_k(SimAuto(), base, mtbf_s=mtbf_s)
+        k, reason = resolve_k(SimAuto(), base, mtbf_s=mtbf_s, live=cand.live, k_max=job.steps)
     else:
         k, reason = resolve_k(FailureAware(mtbf_s=mtbf_s if math.isfinite(mtbf_s) else None), base,
                               mtbf_s=mtbf_s, k_max=job.steps)

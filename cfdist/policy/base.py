@@ -319,6 +319,10 @@ class PolicyContext:
     buffers: int = 1
     """Sets of snapshot buffers of the checkpointer (2: double buffering); changes the interval
     that hides a persist (:func:`cfdist.policy.freq.k_persist`), not what is measured."""
+    live_recovery: bool = False
+    """Whether a failure that leaves a rank running is recovered from the survivors' live state
+    (``cfdist.fit``'s live recovery, more than one rank): only a failure that takes every
+    replica then rolls back to a checkpoint, and the interval answers to those."""
 
     def __post_init__(self):
         if not (isinstance(self.world_size, int) and self.world_size >= 1):

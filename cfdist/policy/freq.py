@@ -201,7 +201,7 @@ def k_young(*, Ti: float, To: float, latency_s: float, mtbf_s: float, k_lo: int 
 
 def decide(
     profile: Profile, *, p: float, mtbf_s: float | None = None, headroom: float = 0.05,
-    To: float | None = None, k_max: int | None = None, buffers: int = 1,
+    To: float | None = None, k_max: int | None = None, buffers: int = 1, mtbf_assumed: bool = False,
 ) -> Decision:
     """The CheckFreq decision for ``profile`` under budget ``p``; with a known MTBF, Young/Daly's
     optimum above the persist bound instead (see the module docstring).
@@ -209,6 +209,9 @@ def decide(
     ``To`` overrides the modelled critical-path overhead (the tuner passes what it measured).
     ``k_max`` caps the result (a cap below the bounds wins: the caller asked for it).
     ``buffers``: sets of snapshot buffers (see :func:`k_persist`).
+    ``mtbf_assumed``: ``mtbf_s`` is an assumption, not a measurement (:class:`cfdist.Auto`'s
+    ``replica_loss_mtbf_s``): Young/Daly's ``k`` may only lengthen the interval, the budget
+    still caps the overhead (``k >= k_budget``).
     """
     _check_p(p)
     mode, tsnap, to_model = choose_mode(profile, headroom=headroom)
@@ -219,7 +222,7 @@ def decide(
     ky = None
     if mtbf_s is not None:
         ky = k_young(Ti=profile.Ti, To=to, latency_s=tsnap + profile.Ts, mtbf_s=mtbf_s, k_lo=kp + QUIET_STEPS)
-        k = ky
+        k = max(ky, kb) if mtbf_assumed else ky
     if k_max is not None:
         k = min(k, k_max)
     return Decision(k=k, mode=mode, To=to, k_persist=kp, k_budget=kb, k_young=ky)

@@ -115,7 +115,7 @@ class Tuner:
 
     def __init__(
         self, config: TunerConfig, *, p: float, profile: freq.Profile, k: int, mode: str,
-        mtbf_s: float | None = None, headroom: float = 0.05, buffers: int = 1,
+        mtbf_s: float | None = None, headroom: float = 0.05, buffers: int = 1, mtbf_assumed: bool = False,
     ):
         if not (isinstance(k, int) and k >= 1):
             raise ValueError(f"Tuner needs a starting k >= 1, got {k!r}")
@@ -127,6 +127,9 @@ class Tuner:
         self.k = k
         self.mode = mode
         self.mtbf_s = mtbf_s
+        self.mtbf_assumed = mtbf_assumed
+        """``mtbf_s`` is an assumption (see :func:`cfdist.policy.freq.decide`): the floor also
+        keeps the measured overhead within the budget."""
         self.buffers = buffers
         self.Ti = profile.Ti
         self.Tw = profile.Tw
@@ -161,6 +164,8 @@ class Tuner:
             to = max(self.To_model, self.To_meas or 0.0)
             kp = freq.k_young(Ti=self.Ti, To=to, latency_s=self.Tsnap + self.Ts,
                               mtbf_s=self.mtbf_s, k_lo=kp + freq.QUIET_STEPS)
+            if self.mtbf_assumed:
+                kp = max(kp, freq.k_budget(Ti=self.Ti, To=to, p=self.p))
         return min(kp, self.config.k_max)
 
     def lost_work_s(self) -> float:

@@ -446,3 +446,82 @@ def test_auto_under_memory_every_one_profiles_and_reports_its_disk_k():
     p.observe(StepMeasurement(step=10_001, iter_s=0.1, checkpointed=True, stall_s=0.01, snapshot_s=0.01,
                               persist_s=0.001, persist_step=10_000))
     assert seen[0].checkpointed is False and seen[0].persist_s is None and seen[0].stall_s == 0.0
+
+
+# ---- live recovery: the interval answers to the failures that take every replica --------------
+def test_with_live_recovery_and_no_failure_seen_auto_assumes_rare_replica_loss_and_lengthens_k():
+    """Under live recovery a single failure loses nothing: with none that took every replica
+    seen, Auto takes Young/Daly's interval for ``replica_loss_mtbf_s`` (the budget's is what it
+    took before), and reports where the MTBF came from."""
+    ctx = dict(state_bytes=1000, world_size=2, now_s=5000.0)
+    budget = Auto(profile_steps=20)
+    budget.bind(PolicyContext(**ctx))
+    simulate([budget], 600, To=0.02)
+    live = Auto(profile_steps=20)
+    live.bind(PolicyContext(**ctx, live_recovery=True))
+    simulate([live], 3000, To=0.02)
+    b, s = budget.stats(), live.stats()
+    assert b["mtbf_s"] is None and b["mtbf_source"] is None
+    assert s["mtbf_s"] == 3600.0 and s["mtbf_source"] == "assumed"
+    # sqrt(2 * 0.02 * 3600) / 0.1 = 120 steps, against 0.02 / (3.5% * 0.1) = 6 for the budget
+    assert s["decision"]["k_young"] == pytest.approx(120, rel=0.05)
+    assert budget.k < 12 and live.k == pytest.approx(120, rel=0.1)
+    assert "MTBF=3600s" in s["changes"][0]["reason"]
+
+
+def test_an_assumed_mtbf_never_checkpoints_more_often_than_the_budget():
+    """An assumption is not a measurement: where Young/Daly's interval for it is shorter than the
+    budget's (an expensive checkpoint, a short assumed MTBF), the budget's holds, in the decision
+    and in the tuner's floor; a measured MTBF still overrides the budget (see above)."""
+    from cfdist.policy import freq
+
+    prof = Profile(Ti=0.1, Tw=0.01, Tc=0.01, Ts=0.05, m=1000)
+    d = freq.decide(prof, p=0.035, mtbf_s=4.0, To=0.02, mtbf_assumed=True)
+    assert d.k_young == 4 and d.k_budget == 6 and d.k == 6
+    assert freq.decide(prof, p=0.035, mtbf_s=4.0, To=0.02).k == 4
+    t = Tuner(TunerConfig(window_steps=50), p=0.035, profile=prof, k=6, mode="cpu", mtbf_s=4.0, mtbf_assumed=True)
+    t.To_meas = 0.02
+    assert t.k_floor() == 6
+    a = Auto(profile_steps=20, replica_loss_mtbf_s=4.0)
+    a.bind(PolicyContext(state_bytes=1000, world_size=2, live_recovery=True, now_s=10.0))
+    simulate([a], 1500, To=0.02, Ts=lambda step: 0.05)
+    assert a.stats()["mtbf_source"] == "assumed" and a.k >= a.stats()["decision"]["k_budget"]
+    assert all(c["k_new"] >= 6 for c in a.stats()["changes"])
+
+
+def test_the_assumed_mtbf_grows_with_a_run_that_saw_no_replica_loss():
+    """Two hours in, restarted from a survivor's live state, no failure that took every
+    replica: the run's age is the longer MTBF to assume."""
+    a = Auto()
+    a.bind(PolicyContext(world_size=2, live_recovery=True, started_s=0.0, now_s=7200.0))
+    a.restored(1000, live=True)
+    assert a.stats()["mtbf_s"] == 7200.0 and a.stats()["mtbf_source"] == "assumed"
+
+
+def test_a_failure_that_took_every_replica_is_measured_not_assumed():
+    """The history holds one restart that rolled back to a checkpoint (the checkpointer leaves
+    restarts from live state out): that measured rate wins over the assumption."""
+    a = Auto()
+    a.bind(PolicyContext(world_size=2, live_recovery=True, failure_times_s=[1000.0], started_s=0.0, now_s=2000.0))
+    assert a.stats()["mtbf_source"] == "history" and a.stats()["mtbf_s"] == pytest.approx(1000.0)
+
+
+def test_a_restart_from_live_state_goes_back_to_the_assumption():
+    """The present start followed a failure a survivor's live state recovered: at bind the
+    history counted it; ``restored(live=True)`` takes it back, and with no other failure the
+    MTBF is the assumed one again (without live recovery it would be unknown: the budget)."""
+    a = Auto()
+    a.bind(PolicyContext(world_size=2, live_recovery=True, started_s=0.0, now_s=50.0))
+    assert a.stats()["mtbf_source"] == "history" and a.stats()["mtbf_s"] == pytest.approx(50.0)
+    a.restored(40, live=True)
+    assert a.stats()["mtbf_source"] == "assumed" and a.stats()["mtbf_s"] == 3600.0
+    b = Auto()
+    b.bind(PolicyContext(world_size=2, started_s=0.0, now_s=50.0))
+    b.restored(40, live=True)
+    assert b.stats()["mtbf_s"] is None
+
+
+@pytest.mark.parametrize("bad", [0.0, -5.0, float("inf"), "1h"])
+def test_replica_loss_mtbf_must_be_seconds(bad):
+    with pytest.raises(ValueError, match="replica_loss_mtbf_s"):
+        AutoConfig(replica_loss_mtbf_s=bad)

@@ -209,6 +209,31 @@ def test_failure_aware_never_beats_the_budget_and_grows_when_failures_are_rare()
         failure_aware_k(iter_s=1.0, stall_s=1.0, snapshot_s=0.0, persist_s=0.0, overhead_budget=0.1, mtbf_s=math.inf)
 
 
+def test_under_live_recovery_the_interval_answers_to_failures_that_take_every_replica():
+    """A 2-node job: one node preempted every 100 s loses nothing with live recovery, so the
+    oracle's MTBF counts only the instant both nodes went (once in 1000 s); Auto assumes its
+    ``replica_loss_mtbf_s`` and lengthens the budget's interval, never shortens it."""
+    from cfdist.chaos.simulator import estimate_mtbf
+
+    costs = Costs(iter_s=0.4, stall_s=0.05, snapshot_s=0.6, persist_s=8.0, restore_s=20.0, restart_s=60.0,
+                  detect_s=10.0)
+    events = [e for t in range(100, 1000, 100) for e in (preempt(t, node=t // 100 % 2), back(t + 1, node=t // 100 % 2))]
+    events += [preempt(950.0, node=0), preempt(950.0, node=1), crash(975.0)]
+    events.sort(key=lambda e: e.time_s)
+    assert estimate_mtbf(events, 1000.0) == pytest.approx(1000.0 / 11)
+    assert estimate_mtbf(events, 1000.0, live=True, nodes=2) == pytest.approx(1000.0)
+    assert estimate_mtbf(events, 1000.0, live=True, nodes=1) == pytest.approx(1000.0 / 11)
+    assert estimate_mtbf([crash(5.0)], 10.0, live=True, nodes=1, workers_per_node=2) == math.inf
+    k_budget, _ = resolve_k(Auto(), costs, mtbf_s=math.nan)
+    k_live, why = resolve_k(Auto(), costs, mtbf_s=math.nan, live=True)
+    assert k_budget == 22 and k_live == round(math.sqrt(2 * 0.05 * 3600) / 0.4) and "replica loss=3600s" in why
+    k_costly, _ = resolve_k(Auto(replica_loss_mtbf_s=1.0), costs, mtbf_s=math.nan, live=True)
+    assert k_costly == k_budget
+    r_live = simulate(events, FailureAware(), costs=costs, nodes=2, horizon_s=1000.0, live=True)
+    r_all = simulate(events, FailureAware(), costs=costs, nodes=2, horizon_s=1000.0)
+    assert r_live.k > r_all.k and "MTBF=1000s" in r_live.k_reason
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
