@@ -171,8 +171,11 @@ class TrainContext:
         self._track_commit(ck)
         with self._lock:
             if self.rank == 0:
-                self._records.append({"type": "step", "step": ck.step_count, "t": time.time(),
-                                      "stall_s": round(ck._stats["stall_s"], 6)})
+                rec = {"type": "step", "step": ck.step_count, "t": time.time(),
+                       "stall_s": round(ck._stats["stall_s"], 6)}
+                if getattr(ck.policy, "phase", None) == "profiling":   # Auto's first steps
+                    rec["profiling"] = True
+                self._records.append(rec)
                 if ck._stats["errors"] > self._errors_reported:   # a persist failed: to the event log
                     self._errors_reported = ck._stats["errors"]
                     self._records.append({"type": "checkpoint_error", "step": ck.step_count, "t": time.time(),

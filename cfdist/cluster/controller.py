@@ -271,7 +271,10 @@ class Controller:
             kind = r.get("type")
             fields = {k: v for k, v in r.items() if k not in ("type", "t", "rank")}
             if kind == "step":
-                if self._attempt_base > 0 or self.attempt > 0:
+                # a restarted attempt: at its first step; a run from scratch: at its first step
+                # past the policy's profile (Auto's; other policies have none) or at its first
+                # commit, whichever comes first
+                if self._attempt_base > 0 or self.attempt > 0 or not r.get("profiling"):
                     self._refill_spares()
                 if self._recovery is not None and "restarted_at" in self._recovery:
                     # the loop never called ckpt.restore(): it resumed from its own state
@@ -296,9 +299,12 @@ class Controller:
 
     def _refill_spares(self) -> None:
         """Replace the spare processes the attempt took, once it runs: after its first step
-        (not while it restores), or, for a run starting from scratch, after its first commit
-        (not while ``Auto`` profiles its first steps: processes importing torch beside them made
-        a checkpoint look several times dearer than it is)."""
+        (not while it restores), or, for a run starting from scratch, at its first step past
+        the policy's profile (rank 0's step records say ``profiling`` until then) or its first
+        commit, whichever comes first: not while ``Auto`` profiles its first steps (processes
+        importing torch beside them made a checkpoint look several times dearer than it is),
+        but not later either (with ``EveryEpoch`` the first commit came 250 steps in, and a
+        crash before it waited 1.3 s for a spare's imports)."""
         if not self._refilled:
             self._refilled = True
             getattr(self.backend, "refill_spares", lambda: None)()

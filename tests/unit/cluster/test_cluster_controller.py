@@ -422,11 +422,14 @@ def test_a_group_that_cannot_start_is_a_failure_named_with_its_cause_and_the_run
 def test_a_live_save_commit_starts_no_spare_and_triggers_no_resize():
     """A survivor's live save commits while its group fails: logged (``live``), but it does not
     start the replacement spares (they would compete with the restart for the CPUs) the way a
-    regular commit does, nor count as the checkpoint a planned grow waits for."""
+    regular commit does, nor count as the checkpoint a planned grow waits for. (A fresh run
+    whose policy still profiles: its spares start at the first regular commit.)"""
     clock = Clock()
     refills = []
-    be = FakeBackend(N[:2], [[GroupStatus(records=[step_rec(1001, 1)]), GroupStatus(records=[step_rec(1002, 2)]),
-                              GroupStatus(records=[step_rec(1003, 3)]),
+    prof = {"profiling": True}
+    be = FakeBackend(N[:2], [[GroupStatus(records=[{**step_rec(1001, 1), **prof}]),
+                              GroupStatus(records=[{**step_rec(1002, 2), **prof}]),
+                              GroupStatus(records=[{**step_rec(1003, 3), **prof}]),
                               GroupStatus(finished=True, results={0: {"final_step": 3}})]])
     be.refill_spares = lambda: refills.append(clock())
     ctl, ev = make(be, clock)
@@ -439,6 +442,32 @@ def test_a_live_save_commit_starts_no_spare_and_triggers_no_resize():
     be.commits = [{"t": 1003.5, "step": 3, "tier": "memory", "node_id": N[0].node_id}]
     ctl.step()
     assert len(refills) == 1 and "live" not in ev.of("checkpoint_committed")[-1] and ev.of("resize")
+
+
+@pytest.mark.parametrize("profiled_until", [0, 2, 4], ids=["no-profile", "auto-profiles-2-steps",
+                                                            "profile-past-the-first-commit"])
+def test_a_fresh_runs_spares_warm_after_the_policys_profile_or_at_the_first_commit(profiled_until):
+    """A run from scratch warms its spare processes at its first step past the policy's
+    profile (``Every``, ``EveryEpoch``: the first step; ``Auto``: once its profile is done, not
+    during it), or at its first commit if that comes first; once per attempt. (Before, always
+    at the first commit: ``EveryEpoch``'s came 250 steps in, and a crash before it waited for a
+    spare's imports.)"""
+    clock = Clock()
+    refills = []
+    recs = [dict(step_rec(1000 + s, s), **({"profiling": True} if s <= profiled_until else {}))
+            for s in (1, 2, 3, 4)]
+    be = FakeBackend(N[:2], [[*(GroupStatus(records=[r]) for r in recs),
+                              GroupStatus(finished=True, results={0: {"final_step": 4}})]])
+    polled = []   # the step whose record the controller's current poll reads
+    be.refill_spares = lambda: refills.append(polled[-1])
+    ctl, ev = make(be, clock)
+    ctl.step()                                                    # the group starts
+    for s in (1, 2, 3, 4):
+        polled.append(s)
+        if s == 3:   # the first commit, read with step 3's record
+            be.commits = [{"t": 1003.5, "step": 3, "tier": "memory", "node_id": N[0].node_id}]
+        ctl.step()
+    assert refills == [min(profiled_until + 1, 3)], refills
 
 
 class HangingGroup(FakeGroup):
