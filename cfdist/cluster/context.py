@@ -173,7 +173,7 @@ class TrainContext:
             if self.rank == 0:
                 rec = {"type": "step", "step": ck.step_count, "t": time.time(),
                        "stall_s": round(ck._stats["stall_s"], 6)}
-                if getattr(ck.policy, "phase", None) == "profiling":   # Auto's first steps
+                if getattr(getattr(ck, "policy", None), "phase", None) == "profiling":   # Auto's first steps
                     rec["profiling"] = True
                 self._records.append(rec)
                 if ck._stats["errors"] > self._errors_reported:   # a persist failed: to the event log

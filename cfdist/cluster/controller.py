@@ -34,6 +34,10 @@ NOTICE_GRACE_S = 30.0
 """After a pool notice's deadline, how long recovery waits for a cloud to take the noticed nodes."""
 
 
+_COLD_SPARES_S = 5.0
+"""A run from scratch whose first commit has not come this long after its first step past the
+policy's profile warms its spares anyway (see ``Controller._refill_spares``)."""
+
 class Controller:
     """Drives one ``fit`` run. ``run()`` loops ``step()`` until FINISHED or FAILED."""
 
@@ -67,6 +71,7 @@ class Controller:
         self._attempt_stall = 0.0
         self._running_s = 0.0
         self._refilled = True        # warm spares replaced since the attempt started
+        self._past_profile_at: float | None = None   # a fresh run's first step past its profile
         self._running_since: float | None = None
         self._final_url: str | None = None
         self._progress_at: float | None = None   # when the attempt last completed a step (None: none yet)
@@ -191,6 +196,7 @@ class Controller:
         self._attempt_stall = 0.0
         self._running_since = now
         self._refilled = False
+        self._past_profile_at = None
         self._progress_at, self._hang = None, None
         if self._recovery is not None:
             self._recovery.update(restarted_at=now, stage_s=stage_s, tier=choice.tier, world_size=group.world_size)
@@ -271,11 +277,13 @@ class Controller:
             kind = r.get("type")
             fields = {k: v for k, v in r.items() if k not in ("type", "t", "rank")}
             if kind == "step":
-                # a restarted attempt: at its first step; a run from scratch: at its first step
-                # past the policy's profile (Auto's; other policies have none) or at its first
-                # commit, whichever comes first
-                if self._attempt_base > 0 or self.attempt > 0 or not r.get("profiling"):
+                if self._attempt_base > 0 or self.attempt > 0:   # a restart: at its first step
                     self._refill_spares()
+                elif not r.get("profiling"):   # a fresh run: see _refill_spares
+                    if self._past_profile_at is None:
+                        self._past_profile_at = self.clock()
+                    elif self.clock() - self._past_profile_at >= _COLD_SPARES_S:
+                        self._refill_spares()
                 if self._recovery is not None and "restarted_at" in self._recovery:
                     # the loop never called ckpt.restore(): it resumed from its own state
                     self._on_restored({"step": self._attempt_base, "restore_s": None, "t": r["t"]})
@@ -299,12 +307,14 @@ class Controller:
 
     def _refill_spares(self) -> None:
         """Replace the spare processes the attempt took, once it runs: after its first step
-        (not while it restores), or, for a run starting from scratch, at its first step past
-        the policy's profile (rank 0's step records say ``profiling`` until then) or its first
-        commit, whichever comes first: not while ``Auto`` profiles its first steps (processes
-        importing torch beside them made a checkpoint look several times dearer than it is),
-        but not later either (with ``EveryEpoch`` the first commit came 250 steps in, and a
-        crash before it waited 1.3 s for a spare's imports)."""
+        (not while it restores), or, for a run starting from scratch, at its first commit, or
+        ``_COLD_SPARES_S`` after its first step past the policy's profile (rank 0's step records
+        say ``profiling`` until then) when no commit came by then. Not while ``Auto`` profiles
+        its first steps (processes importing torch beside them made a checkpoint look several
+        times dearer than it is), nor before the first commit when it comes soon (a job has
+        nothing durable until then: warming at the first step delayed a shared upload past an
+        early preemption), but not an epoch later either (``EveryEpoch``'s first commit came 250
+        steps in, and a crash before it waited 1.3 s for a spare's imports)."""
         if not self._refilled:
             self._refilled = True
             getattr(self.backend, "refill_spares", lambda: None)()

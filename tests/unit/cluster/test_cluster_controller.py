@@ -444,14 +444,16 @@ def test_a_live_save_commit_starts_no_spare_and_triggers_no_resize():
     assert len(refills) == 1 and "live" not in ev.of("checkpoint_committed")[-1] and ev.of("resize")
 
 
-@pytest.mark.parametrize("profiled_until", [0, 2, 4], ids=["no-profile", "auto-profiles-2-steps",
-                                                            "profile-past-the-first-commit"])
-def test_a_fresh_runs_spares_warm_after_the_policys_profile_or_at_the_first_commit(profiled_until):
-    """A run from scratch warms its spare processes at its first step past the policy's
-    profile (``Every``, ``EveryEpoch``: the first step; ``Auto``: once its profile is done, not
-    during it), or at its first commit if that comes first; once per attempt. (Before, always
-    at the first commit: ``EveryEpoch``'s came 250 steps in, and a crash before it waited for a
-    spare's imports.)"""
+@pytest.mark.parametrize("profiled_until,gap_s,commit_at,warmed_at", [
+    (0, 0.05, 3, 3), (1, 3.0, None, 4), (4, 3.0, 3, 3)],
+    ids=["a-commit-soon", "no-commit-5s-past-the-profile", "a-profile-past-the-commit"])
+def test_a_fresh_runs_spares_warm_at_its_first_commit_or_5s_past_the_policys_profile(profiled_until, gap_s,
+                                                                                     commit_at, warmed_at):
+    """A run from scratch warms its spare processes at its first commit, or, when none came
+    5 s after its first step past the policy's profile (``Every``, ``EveryEpoch``: the first
+    step; ``Auto``: once its profile is done), then; never during the profile; once per
+    attempt. (Before, only at the first commit: ``EveryEpoch``'s came 250 steps in, and a crash
+    before it waited for a spare's imports.)"""
     clock = Clock()
     refills = []
     recs = [dict(step_rec(1000 + s, s), **({"profiling": True} if s <= profiled_until else {}))
@@ -464,10 +466,11 @@ def test_a_fresh_runs_spares_warm_after_the_policys_profile_or_at_the_first_comm
     ctl.step()                                                    # the group starts
     for s in (1, 2, 3, 4):
         polled.append(s)
-        if s == 3:   # the first commit, read with step 3's record
-            be.commits = [{"t": 1003.5, "step": 3, "tier": "memory", "node_id": N[0].node_id}]
+        clock.t += gap_s
+        if s == commit_at:   # the first commit, read with that step's record
+            be.commits = [{"t": clock.t, "step": s, "tier": "memory", "node_id": N[0].node_id}]
         ctl.step()
-    assert refills == [min(profiled_until + 1, 3)], refills
+    assert refills == [warmed_at], refills
 
 
 class HangingGroup(FakeGroup):
