@@ -38,6 +38,7 @@ _COLD_SPARES_S = 5.0
 """A run from scratch whose first commit has not come this long after its first step past the
 policy's profile warms its spares anyway (see ``Controller._refill_spares``)."""
 
+
 class Controller:
     """Drives one ``fit`` run. ``run()`` loops ``step()`` until FINISHED or FAILED."""
 
