@@ -79,7 +79,7 @@ class LocalCluster:
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args=dict(
                 num_cpus=0, include_dashboard=False, object_store_memory=_OBJECT_STORE,
-                _system_config=_FAST_HEALTH))
+                _system_config=dict(_FAST_HEALTH)))   # a copy: Ray writes its spilling directory into it
             for _ in range(self.num_nodes):
                 self.add_node()
             self.cluster.wait_for_nodes()

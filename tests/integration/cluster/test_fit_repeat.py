@@ -81,15 +81,23 @@ def _assert_same(value, reference, what):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)   # three runs, each with its own cluster start (about 75 s each on 2 busy cores)
-def test_fit_runs_three_times_in_one_process(no_ray, tmp_path):
+def test_fit_runs_three_times_in_one_process(no_ray, tmp_path, capfd):
     """Three ``fit(num_nodes=2)`` calls, each starting and stopping its own simulated nodes with
     a fresh auth token: all three run to the end with the same parameters, and each leaves no
-    Ray and no token behind."""
+    Ray and no token behind. Each cluster spills objects into its own session directory: Ray
+    writes the first one's into the system config it is given, and before the fix the later
+    clusters were given that same dict (they would spill into the first, removed, session, and
+    Ray warned on the console that the spilling config came from an unstable API)."""
+    from cfdist.cluster import local_cluster
+
     first = _fit(tmp_path, "a", num_nodes=2, workers_per_node=1)
     assert not ray.is_initialized() and "RAY_AUTH_TOKEN" not in os.environ   # fit undid what it set up
+    assert "object_spilling_config" not in local_cluster._FAST_HEALTH, local_cluster._FAST_HEALTH
     for name in ("b", "c"):
         _assert_same(_fit(tmp_path, name, num_nodes=2, workers_per_node=1), first, f"run {name}")
         assert not ray.is_initialized()
+    console = capfd.readouterr()
+    assert "object spilling config" not in console.out + console.err
 
 
 def _wait_for_cpus(n: float, timeout_s: float = 60.0) -> None:
