@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -233,3 +234,102 @@ def summary_lines(runs: Sequence[PolicyRun]) -> list[str]:
                    f"from other runs {x.goodput:.2f} {x.relative_error:+.0%})  "
                    f"failures {m.num_failures}  lost it. {m.lost_iters}  recovery {m.recovery_s_mean:.1f}s")
     return out
+
+
+# ------------------------------------------------------------------------- repetitions ---
+
+
+@dataclass(frozen=True)
+class RepeatedPolicy:
+    """One policy over the repetitions of an experiment (``cfdist experiment --repeat N``): the
+    same config run N times, each repetition with its own failure-free baseline, so that a
+    goodput is quoted with its spread instead of from one run's one or two failures."""
+
+    policy: str
+    goodputs: tuple[float, ...]
+    """Measured goodput of each repetition, in order."""
+    ks: tuple[int | None, ...]
+    """The k each repetition's run reported most often."""
+    lost_iters: tuple[int, ...]
+    """Every interruption's lost iterations, all repetitions pooled."""
+    recovery_s: tuple[float, ...]
+    """Every interruption's recovery seconds (failure to resumed progress), pooled."""
+
+    @property
+    def failures(self) -> int:
+        return len(self.lost_iters)
+
+    @property
+    def goodput_median(self) -> float:
+        return _median(self.goodputs)
+
+    @property
+    def recovery_s_median(self) -> float:
+        """Median over every interruption of every repetition (nan without failures)."""
+        return _median(self.recovery_s)
+
+
+def _median(xs) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def repeated(results: Sequence[ExperimentResult]) -> list[RepeatedPolicy]:
+    """Each policy's figures over ``results`` (the repetitions, in order), in the config's
+    order. Raises ``ValueError`` when the repetitions did not run the same policies."""
+    if not results:
+        raise ValueError("no repetitions to summarise")
+    names = [r.policy for r in results[0].runs]
+    for i, res in enumerate(results[1:], 2):
+        if [r.policy for r in res.runs] != names:
+            raise ValueError(f"repetition {i} ran {[r.policy for r in res.runs]}, the first ran {names}")
+    out = []
+    for name in names:
+        runs = [res.run(name) for res in results]
+        out.append(RepeatedPolicy(
+            policy=name, goodputs=tuple(r.measured.goodput for r in runs), ks=tuple(r.k for r in runs),
+            lost_iters=tuple(f.lost_iters for r in runs for f in r.measured.failures),
+            recovery_s=tuple(f.recovery_s for r in runs for f in r.measured.failures)))
+    return out
+
+
+def repeats_markdown(rows: Sequence[RepeatedPolicy]) -> str:
+    """The repetitions' table: goodput median and range, k per repetition, pooled failures."""
+    n = len(rows[0].goodputs) if rows else 0
+    lines = [f"Over {n} repetitions of the same experiment (each against its own failure-free run):", "",
+             "| policy | goodput median | min - max | each repetition | k per repetition | failures "
+             "| lost it./failure max | recovery s median |",
+             "|---|---:|---:|---|---|---:|---:|---:|"]
+    for r in rows:
+        each = ", ".join(f"{g:.3f}" for g in r.goodputs)
+        ks = ", ".join(_fmt_k(k) for k in r.ks)
+        lost = max(r.lost_iters) if r.lost_iters else "-"
+        rec = f"{r.recovery_s_median:.2f}" if r.recovery_s else "-"
+        lines.append(f"| {r.policy} | {r.goodput_median:.3f} | {min(r.goodputs):.3f} - {max(r.goodputs):.3f} | "
+                     f"{each} | {ks} | {r.failures} | {lost} | {rec} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_repeats(results: Sequence[ExperimentResult], out_dir: str) -> dict[str, str]:
+    """Write repeats.md and repeats.json (the :func:`repeated` rows, each repetition's
+    directory) into ``out_dir``; returns ``{name: path}``."""
+    rows = repeated(results)
+    os.makedirs(out_dir, exist_ok=True)
+    files = {name: os.path.join(out_dir, name) for name in ("repeats.md", "repeats.json")}
+    with open(files["repeats.md"], "w", encoding="utf-8") as f:
+        f.write(repeats_markdown(rows))
+    data = {"repetitions": [res.files.get("results.json") for res in results],
+            "policies": [{"policy": r.policy, "goodput_median": _round(r.goodput_median),
+                          "goodputs": [_round(g) for g in r.goodputs], "ks": list(r.ks), "failures": r.failures,
+                          "lost_iters": list(r.lost_iters), "recovery_s_median": _round(r.recovery_s_median),
+                          "recovery_s": [_round(x) for x in r.recovery_s]} for r in rows]}
+    with open(files["repeats.json"], "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    return files
+
+
+def repeat_lines(rows: Sequence[RepeatedPolicy]) -> list[str]:
+    """One console line per policy over the repetitions."""
+    return [f"{r.policy:<12} goodput median {r.goodput_median:.3f} ({min(r.goodputs):.3f}-{max(r.goodputs):.3f} "
+            f"over {len(r.goodputs)} runs)  failures {r.failures}  lost it. max "
+            f"{max(r.lost_iters) if r.lost_iters else '-'}  recovery median "
+            f"{r.recovery_s_median:.2f}s" for r in rows]

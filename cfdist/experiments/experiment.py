@@ -18,6 +18,13 @@ given the costs measured over all runs and replays every policy under the same s
 ``results.md`` and PNG figures (progress vs wall time with failures marked, goodput measured vs
 simulated, lost work per failure, recovery time by phase).
 
+One run of a policy sees one or two failures with the defaults, so its goodput moves by a few
+hundredths from one run to the next on a shared machine. ``--repeat N``
+(:func:`run_repeated`) runs the whole experiment N times, each repetition into its own
+``repeat-<i>`` directory against its own failure-free run, and writes ``repeats.md`` and
+``repeats.json``: each policy's goodput median and range, and the failures of every repetition
+pooled.
+
 Without ``ray_address`` (and with no Ray initialised in the process) the runs use a fake
 ``num_nodes``-node cluster on this machine (:class:`~cfdist.cluster.local_cluster.LocalCluster`),
 started once for all runs. The schedule's clock starts when a run's first worker group has
@@ -47,7 +54,9 @@ from cfdist.chaos.calibrate import (
 )
 from cfdist.chaos.events import FailureEvent
 from cfdist.chaos.metrics import read_event_log
-from cfdist.chaos.report import ExperimentResult, PolicyRun, summary_lines, write_report
+from cfdist.chaos.report import (
+    ExperimentResult, PolicyRun, repeat_lines, repeated, summary_lines, write_repeats, write_report,
+)
 from cfdist.chaos.schedules import Exponential, FixedInterval, Merged
 from cfdist.chaos.simulator import EpochBoundary, FixedK, SimPolicy
 
@@ -394,6 +403,29 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
     return res
 
 
+def run_repeated(config: ExperimentConfig, repeat: int, *,
+                 log: Callable[[str], None] = functools.partial(print, flush=True)) -> list[ExperimentResult]:
+    """Run the whole experiment ``repeat`` times (:func:`run_experiment`, the same config, each
+    repetition in ``<out_dir>/repeat-<i>`` against its own failure-free run, on its own fake
+    cluster unless Ray is initialised), then write ``repeats.md`` and ``repeats.json`` into
+    ``out_dir`` (:func:`cfdist.chaos.report.write_repeats`). Returns the repetitions' results.
+    Raises ``ValueError`` for ``repeat < 1`` and :class:`ExperimentError` when a run gives up
+    (the repetitions done so far keep their reports)."""
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+        raise ValueError(f"repeat must be a whole number >= 1, got {repeat!r}")
+    results = []
+    for i in range(1, repeat + 1):
+        log(f"=== repetition {i}/{repeat}")
+        sub = dataclasses.replace(config, out_dir=os.path.join(config.out_dir, f"repeat-{i}"))
+        results.append(run_experiment(sub, log=log))
+    files = write_repeats(results, config.out_dir)
+    log(f"over {repeat} repetitions:")
+    for line in repeat_lines(repeated(results)):
+        log(line)
+    log(f"wrote {files['repeats.md']} and {files['repeats.json']}")
+    return results
+
+
 def _run_one(config: ExperimentConfig, name: str, spec: str | None, schedule, cluster, out: str):
     from cfdist.api import OutputOptions, RecoveryOptions, TierOptions, fit
     from cfdist.experiments.workload import train_loop
@@ -534,6 +566,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints")
     p.add_argument("--memory-every", type=int, default=None,
                    help="memory snapshot every N steps, disk at the policy's interval (default: off)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the whole experiment N times (each into <out>/repeat-<i>) and report each policy's "
+                        "median goodput and range in <out>/repeats.md (default %(default)s: once, into <out>)")
     p.add_argument("--no-live-recovery", dest="live_recovery", action="store_false",
                    help="roll every failure back to the newest commit (default: a failure that leaves a rank "
                         "running restores the survivors' live state)")
@@ -556,11 +591,17 @@ def config_from_args(a: argparse.Namespace) -> ExperimentConfig:
 def _cli(a: argparse.Namespace) -> int:
     try:
         config = config_from_args(a)
+        repeat = getattr(a, "repeat", 1)
+        if repeat < 1:
+            raise ValueError(f"--repeat must be at least 1, got {repeat}")
     except ValueError as e:
         print(f"cfdist experiment: {e}", file=sys.stderr)
         return 2
     try:
-        run_experiment(config)
+        if repeat == 1:
+            run_experiment(config)
+        else:
+            run_repeated(config, repeat)
     except ExperimentError as e:
         print(f"cfdist experiment: {e}", file=sys.stderr)
         return 1

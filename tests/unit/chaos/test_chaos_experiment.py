@@ -6,6 +6,7 @@ format), so the numbers in results.json and the tables can be checked exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -15,7 +16,8 @@ from chaos_eventlog import started
 from cfdist.experiments.experiment import (
     ExperimentConfig, FirstFailures, analyse, build_schedule, make_policy, main, sim_policy,
 )
-from cfdist.chaos.report import markdown, write_report
+from cfdist.chaos.report import markdown, repeated, write_repeats, write_report
+from cfdist.experiments import experiment as experiment_mod
 from cfdist.chaos.simulator import EpochBoundary, FixedK
 
 
@@ -96,11 +98,11 @@ def test_policy_specs_map_to_the_real_and_the_simulated_policy():
         sim_policy("auto-mtbf", c, None)
 
 
-def _logs():
+def _logs(restart: float = 2.0):
     """A baseline and two policies' runs under one crash at 1.5 s after the first step."""
     base = started().run(30)
-    every = started(k=5).run(12).fail(restart=2.0, restore=1.0).run(20)
-    auto = started(k=4, kval=4).run(13).fail(restart=2.0, restore=1.0).run(18)
+    every = started(k=5).run(12).fail(restart=restart, restore=1.0).run(20)
+    auto = started(k=4, kval=4).run(13).fail(restart=restart, restore=1.0).run(18)
     out = {}
     for name, log in (("baseline", base), ("every:5", every), ("auto", auto)):
         log.at(0.2, "end", step=30)
@@ -166,3 +168,72 @@ def test_summary_overlays_need_one_entry_per_result(tmp_path):
     measured = [r.measured for r in res.runs]
     with pytest.raises(ValueError, match="predicted has 1 entries for 2 results"):
         plot_summary(measured, str(tmp_path / "s.png"), predicted=[0.5])
+
+
+def _analysed(tmp_path, restart: float):
+    c = ExperimentConfig(policies=("every:5", "auto"), steps=30, epoch_steps=10, mtbf_s=1.0, failures="crash",
+                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path), live_recovery=False)
+    return analyse(c, build_schedule(c), _logs(restart), str(tmp_path))
+
+
+def test_repetitions_report_each_policys_median_goodput_and_range_and_pool_the_failures(tmp_path):
+    """Three repetitions whose recoveries took 2, 5 and 1 s to restart: each policy's goodput
+    median is the middle repetition's, the range spans the other two, and the three failures
+    are pooled (their recoveries' median is the middle one's)."""
+    results = [_analysed(tmp_path, r) for r in (2.0, 5.0, 1.0)]
+    rows = repeated(results)
+    assert [r.policy for r in rows] == ["every:5", "auto"]
+    for row, name in zip(rows, ("every:5", "auto")):
+        each = [res.run(name).measured.goodput for res in results]
+        assert row.goodputs == tuple(each) and each[2] > each[0] > each[1]   # the faster restart, the better
+        assert row.goodput_median == pytest.approx(each[0])
+        assert row.failures == 3 and row.lost_iters == ((2, 2, 2) if name == "every:5" else (1, 1, 1))
+        rec = [res.run(name).measured.failures[0].recovery_s for res in results]
+        assert row.recovery_s_median == pytest.approx(sorted(rec)[1])
+    assert rows[1].ks == (4, 4, 4)
+    files = write_repeats(results, str(tmp_path / "out"))
+    md = open(files["repeats.md"]).read()
+    auto = rows[1]
+    assert md.startswith("Over 3 repetitions of the same experiment")
+    assert (f"| auto | {auto.goodput_median:.3f} | {min(auto.goodputs):.3f} - {max(auto.goodputs):.3f} | "
+            f"{', '.join(f'{g:.3f}' for g in auto.goodputs)} | 4, 4, 4 | 3 | 1 |") in md, md
+    data = json.load(open(files["repeats.json"]))
+    assert [p["policy"] for p in data["policies"]] == ["every:5", "auto"]
+    assert data["policies"][1]["failures"] == 3 and data["policies"][1]["lost_iters"] == [1, 1, 1]
+    assert len(data["repetitions"]) == 3
+
+
+def test_repetitions_of_different_policies_are_refused(tmp_path):
+    a = _analysed(tmp_path, 2.0)
+    b = dataclasses.replace(a, runs=a.runs[:1])
+    with pytest.raises(ValueError, match="repetition 2 ran"):
+        repeated([a, b])
+    with pytest.raises(ValueError, match="no repetitions"):
+        repeated([])
+
+
+def test_run_repeated_runs_the_whole_experiment_n_times_each_into_its_own_directory(tmp_path, monkeypatch):
+    """Faked: the Ray runs themselves (``run_experiment`` returns hand-written logs' analysis);
+    what is tested is the repetition: one directory per repetition, the summary written over
+    all of them, the console lines."""
+    seen = []
+
+    def fake_run(config, *, log):
+        seen.append(config.out_dir)
+        return _analysed(tmp_path, 1.0 + len(seen))
+
+    monkeypatch.setattr(experiment_mod, "run_experiment", fake_run)
+    out = tmp_path / "exp"
+    lines = []
+    c = ExperimentConfig(policies=("every:5", "auto"), out_dir=str(out))
+    results = experiment_mod.run_repeated(c, 3, log=lines.append)
+    assert seen == [str(out / f"repeat-{i}") for i in (1, 2, 3)] and len(results) == 3
+    assert lines[0] == "=== repetition 1/3" and "over 3 runs" in lines[-2] and lines[-1].endswith("repeats.json")
+    assert (out / "repeats.md").exists() and (out / "repeats.json").exists()
+    with pytest.raises(ValueError, match="repeat must be a whole number >= 1"):
+        experiment_mod.run_repeated(c, 0)
+
+
+def test_cli_refuses_a_repeat_below_one(capsys):
+    assert main(["--repeat", "0", "--out", "/nonexistent/x"]) == 2
+    assert "--repeat must be at least 1, got 0" in capsys.readouterr().err
