@@ -237,3 +237,20 @@ def test_run_repeated_runs_the_whole_experiment_n_times_each_into_its_own_direct
 def test_cli_refuses_a_repeat_below_one(capsys):
     assert main(["--repeat", "0", "--out", "/nonexistent/x"]) == 2
     assert "--repeat must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_ray_job_entry_point_runs_the_repetitions_and_prints_the_medians(tmp_path, monkeypatch, capsys):
+    """``launch/preemption_experiment.py --repeat 2`` (the experiment as a Ray job) runs the
+    repetitions and prints each policy's median goodput. Faked: the Ray runs (as above)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[3] / "launch" / "preemption_experiment.py"
+    spec = importlib.util.spec_from_file_location("preemption_experiment", path)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    monkeypatch.setattr(experiment_mod, "run_experiment", lambda config, *, log: _analysed(tmp_path, 2.0))
+    out = job.main(["--repeat", "2", "--policies", "every:5", "auto", "--out", str(tmp_path / "job")])
+    assert out["repetitions"] == 2 and set(out["goodput_median"]) == {"every:5", "auto"}
+    assert out["repeats"] == str(tmp_path / "job" / "repeats.json") and (tmp_path / "job" / "repeats.json").exists()
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"experiment": out}
