@@ -772,8 +772,15 @@ def test_a_killed_rank_recovered_live_with_shared_uploads_in_slices_commits_its_
     # run's last drain of the node actors' records, after it, logs it)
     shared_commits = {r["step"]: r for r in recs if r["event"] == "checkpoint_committed" and r["tier"] == "shared"}
     assert sorted(shared_commits) == [4, 8, 12, 16, 20, STEPS], sorted(shared_commits)
-    assert all(c["writers"] == 2 and sorted(c["writer_nodes"]) == sorted(groups[1]) for c in shared_commits.values()), \
-        shared_commits
+    failed_at = recs[fail_i]["t"]
+    for s, c in shared_commits.items():
+        if s <= f.restored_step and c["t"] > failed_at:
+            # a step whose sliced upload was still in flight when the attempt ended (8, when the
+            # uploads are slow): the peer's slice of the old attempt is refused, and node 0
+            # uploads the step whole, as after any peer failure; sliced if it finished first
+            assert c["writers"] == 2 or c["writer_nodes"] == [groups[0][0]], (s, c)
+        else:
+            assert c["writers"] == 2 and sorted(c["writer_nodes"]) == sorted(groups[1]), (s, c)
     for s in (12, 16, 20, STEPS):
         m, tensors = _loaded(shared, s)
         assert m["slicing"]["writers"] == 2 and sorted(m["slicing"]["nodes"]) == sorted(groups[1]), (s, m["slicing"])
