@@ -1235,3 +1235,47 @@ def test_holdings_after_a_failure_reads_the_answers_lost_nodes_asked_for_until_t
         ck.close()
     finally:
         backend.close()
+
+
+def test_every_process_of_a_fake_node_runs_at_the_workers_niceness_from_its_start(fake_cluster):
+    """A fake node's raylet, its agents and every process it starts (each thread of each) run at
+    Ray's worker niceness, 15, from their start; an actor on it stays at 15 (Ray's own renice
+    adds nothing on top); the thread that added the node keeps its niceness, and
+    ``RAY_worker_niceness`` is as it was. Before, a process started on one fake node ran its
+    first ~0.7 CPU-seconds at nice 0 and took the CPU from the other nodes' ranks (nice 15)."""
+    from ray._private import ray_constants
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from cfdist.cluster.local_cluster import descendants
+
+    me = threading.get_native_id()
+    nice_before, env_before = os.getpriority(os.PRIO_PROCESS, me), os.environ.get("RAY_worker_niceness")
+    nid = fake_cluster.add_node()
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, me) == nice_before
+        assert os.environ.get("RAY_worker_niceness") == env_before
+
+        @ray.remote(num_cpus=0)
+        class Probe:
+            def nice(self) -> tuple[int, int]:
+                return os.getpid(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        pid, nice = ray.get(Probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+                            .remote().nice.remote(), timeout=120)
+        assert nice == 15, f"an actor on the fake node runs at nice {nice}"
+        node = fake_cluster.nodes[nid]
+        raylets = [p.process.pid for p in node.all_processes[ray_constants.PROCESS_TYPE_RAYLET]]
+        procs = raylets + descendants(raylets)
+        assert pid in procs
+        seen = {}
+        for p in procs:
+            try:
+                for tid in os.listdir(f"/proc/{p}/task"):
+                    with open(f"/proc/{p}/task/{tid}/stat") as f:
+                        seen[(p, int(tid))] = int(f.read().rsplit(")", 1)[1].split()[16])
+            except FileNotFoundError:   # a thread or process that ended meanwhile
+                pass
+        assert len({p for p, _ in seen}) >= 3, f"the raylet and its agents and the actor: {seen}"
+        assert set(seen.values()) == {15}, {k: v for k, v in seen.items() if v != 15}
+    finally:
+        fake_cluster.remove_node(nid)
