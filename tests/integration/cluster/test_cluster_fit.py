@@ -1109,9 +1109,11 @@ def test_drain_commits_waits_once_for_an_actor_that_does_not_answer_and_not_afte
     assert [r["step"] for r in be.drain_commits()] == [7], "the silent actor's answer was not read once given"
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=2)
 class _Gate:
-    """Opened by the test; a staging copy waits for it (a copy that is still running)."""
+    """Opened by the test; a staging copy waits for it (a copy that is still running). Two
+    threads: ``open`` must run while ``wait`` blocks (with one, an ``open`` sent after the
+    copy's ``wait`` had started ran only once the wait timed out, 120 s later)."""
 
     def __init__(self):
         self._open = threading.Event()
@@ -1130,7 +1132,8 @@ def _copy_when_open(gate, src: str, dst: str, step: int, fail: bool) -> dict:
     from cfdist.cluster import transfer
     from cfdist.storage import open_storages
 
-    ray.get(gate.wait.remote())
+    if not ray.get(gate.wait.remote()):
+        raise TimeoutError("the test did not open the gate within 120 s")
     if fail:
         raise ConnectionError("the peer's node actor died during the copy")
     frozen = transfer.freeze(open_storages(src), step)
