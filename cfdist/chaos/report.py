@@ -164,6 +164,8 @@ def markdown(res: ExperimentResult) -> str:
         lines.append(f"| {r.policy} | {_fmt_k(r.k)} | {m.num_failures} | {m.goodput:.2f} | "
                      f"{p.goodput:.2f} ({p.relative_error:+.0%}) | {x.goodput:.2f} ({x.relative_error:+.0%}) | "
                      f"{m.lost_iters_mean:.1f} ({m.lost_iters_max}) | {m.wasted_worker_s:.1f} |")
+    if res.baseline is not None:
+        lines += ["", baseline_text(res.baseline)]
     lines += [
         "",
         "Recovery time per failure, mean seconds (CheckFreq's recovery-time table at small scale):",
@@ -225,9 +227,23 @@ def write_report(res: ExperimentResult, out_dir: str, *, title: str = "") -> dic
     return files
 
 
-def summary_lines(runs: Sequence[PolicyRun]) -> list[str]:
-    """One line per run for the console (policy, goodput measured/simulated, failures, lost work)."""
+def baseline_text(baseline: RunMetrics) -> str:
+    """What the failure-free run scores by goodput's own measure, for comparison: goodput's
+    yardstick is that run's *median* step, so the run itself stays below 1 by its steps' spread
+    and by the warm spare processes it starts like every run (see docs/experiments.md)."""
+    return (f"For comparison, the failure-free run ({baseline.useful_iters} steps) scores "
+            f"{baseline.goodput:.3f} by the same measure: its iteration time is that run's median step, "
+            f"so what the run itself lacks of 1 is its steps' spread and the warm spare processes it "
+            f"starts like every run, not failures or checkpoints.")
+
+
+def summary_lines(runs: Sequence[PolicyRun], baseline: RunMetrics | None = None) -> list[str]:
+    """One line per run for the console (policy, goodput measured/simulated, failures, lost work);
+    with ``baseline``, first a line with the failure-free run's own goodput (:func:`baseline_text`)."""
     out = []
+    if baseline is not None:
+        out.append(f"{'no failures':<22} goodput {baseline.goodput:.3f} (the failure-free run against its own "
+                   f"median step: the steps' spread and the spare processes' start)")
     for r in runs:
         m, p, x = r.measured, r.prediction, r.cross_prediction
         out.append(f"{r.label:<22} goodput {m.goodput:.2f} (sim {p.goodput:.2f} {p.relative_error:+.0%}, "
@@ -292,8 +308,19 @@ def repeated(results: Sequence[ExperimentResult]) -> list[RepeatedPolicy]:
     return out
 
 
-def repeats_markdown(rows: Sequence[RepeatedPolicy]) -> str:
-    """The repetitions' table: goodput median and range, k per repetition, pooled failures."""
+def baseline_goodputs(results: Sequence[ExperimentResult]) -> tuple[float, ...]:
+    """The failure-free run's own goodput of each repetition that ran one (:func:`baseline_text`)."""
+    return tuple(res.baseline.goodput for res in results if res.baseline is not None)
+
+
+def _baseline_range(goodputs: Sequence[float]) -> str:
+    return (f"median {_median(goodputs):.3f} ({min(goodputs):.3f} - {max(goodputs):.3f}; "
+            f"{', '.join(f'{g:.3f}' for g in goodputs)})")
+
+
+def repeats_markdown(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = ()) -> str:
+    """The repetitions' table: goodput median and range, k per repetition, pooled failures;
+    ``baseline``: the failure-free runs' own goodputs (:func:`baseline_goodputs`), for comparison."""
     n = len(rows[0].goodputs) if rows else 0
     lines = [f"Over {n} repetitions of the same experiment (each against its own failure-free run):", "",
              "| policy | goodput median | min - max | each repetition | k per repetition | failures "
@@ -306,6 +333,9 @@ def repeats_markdown(rows: Sequence[RepeatedPolicy]) -> str:
         rec = f"{r.recovery_s_median:.2f}" if r.recovery_s else "-"
         lines.append(f"| {r.policy} | {r.goodput_median:.3f} | {min(r.goodputs):.3f} - {max(r.goodputs):.3f} | "
                      f"{each} | {ks} | {r.failures} | {lost} | {rec} |")
+    if baseline:
+        lines += ["", f"The failure-free runs by the same measure (against their own median step, so below 1 by "
+                      f"their steps' spread and their spare processes' start): {_baseline_range(baseline)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -313,11 +343,13 @@ def write_repeats(results: Sequence[ExperimentResult], out_dir: str) -> dict[str
     """Write repeats.md and repeats.json (the :func:`repeated` rows, each repetition's
     directory) into ``out_dir``; returns ``{name: path}``."""
     rows = repeated(results)
+    base = baseline_goodputs(results)
     os.makedirs(out_dir, exist_ok=True)
     files = {name: os.path.join(out_dir, name) for name in ("repeats.md", "repeats.json")}
     with open(files["repeats.md"], "w", encoding="utf-8") as f:
-        f.write(repeats_markdown(rows))
+        f.write(repeats_markdown(rows, base))
     data = {"repetitions": [res.files.get("results.json") for res in results],
+            "baseline_goodputs": [_round(g) for g in base],
             "policies": [{"policy": r.policy, "goodput_median": _round(r.goodput_median),
                           "goodputs": [_round(g) for g in r.goodputs], "ks": list(r.ks), "failures": r.failures,
                           "lost_iters": list(r.lost_iters), "recovery_s_median": _round(r.recovery_s_median),
@@ -327,9 +359,12 @@ def write_repeats(results: Sequence[ExperimentResult], out_dir: str) -> dict[str
     return files
 
 
-def repeat_lines(rows: Sequence[RepeatedPolicy]) -> list[str]:
-    """One console line per policy over the repetitions."""
-    return [f"{r.policy:<12} goodput median {r.goodput_median:.3f} ({min(r.goodputs):.3f}-{max(r.goodputs):.3f} "
+def repeat_lines(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = ()) -> list[str]:
+    """One console line per policy over the repetitions; with ``baseline`` (the failure-free
+    runs' own goodputs), first a line for them."""
+    first = [f"{'no failures':<12} goodput {_baseline_range(baseline)} (against their own median step)"] \
+        if baseline else []
+    return first + [f"{r.policy:<12} goodput median {r.goodput_median:.3f} ({min(r.goodputs):.3f}-{max(r.goodputs):.3f} "
             f"over {len(r.goodputs)} runs)  failures {r.failures}  lost it. max "
             f"{max(r.lost_iters) if r.lost_iters else '-'}  recovery median "
             f"{r.recovery_s_median:.2f}s" for r in rows]

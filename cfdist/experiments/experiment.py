@@ -55,7 +55,7 @@ from cfdist.chaos.calibrate import (
 from cfdist.chaos.events import FailureEvent
 from cfdist.chaos.metrics import read_event_log
 from cfdist.chaos.report import (
-    ExperimentResult, PolicyRun, repeat_lines, repeated, summary_lines, write_repeats, write_report,
+    ExperimentResult, PolicyRun, baseline_goodputs, repeat_lines, repeated, summary_lines, write_repeats, write_report,
 )
 from cfdist.chaos.schedules import Exponential, FixedInterval, Merged
 from cfdist.chaos.simulator import EpochBoundary, FixedK, SimPolicy
@@ -397,7 +397,7 @@ def run_experiment(config: ExperimentConfig, *, cluster=None,
     res = analyse(config, schedule, logs, out)
     files = write_report(res, out, title=_title(config))
     res = dataclasses.replace(res, files=files)
-    for line in summary_lines(res.runs):
+    for line in summary_lines(res.runs, res.baseline):
         log(line)
     log(f"wrote {files['results.md']}, {files['results.json']} and {files['summary.png']}")
     return res
@@ -420,7 +420,7 @@ def run_repeated(config: ExperimentConfig, repeat: int, *,
         results.append(run_experiment(sub, log=log))
     files = write_repeats(results, config.out_dir)
     log(f"over {repeat} repetitions:")
-    for line in repeat_lines(repeated(results)):
+    for line in repeat_lines(repeated(results), baseline_goodputs(results)):
         log(line)
     log(f"wrote {files['repeats.md']} and {files['repeats.json']}")
     return results

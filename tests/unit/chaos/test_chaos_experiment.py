@@ -149,6 +149,9 @@ def test_report_writes_json_tables_and_figures(tmp_path):
     assert run["lost_by_kind"] == [{"kind": "crash", "tier": "memory", "failures": 1, "lost_iters_mean": 1,
                                     "lost_iters_max": 1}]
     assert "| auto | crash | memory | 1 | 1.0 (1) |" in md and "| every:5 | crash | memory | 1 | 2.0 (2) |" in md
+    # the failure-free run's own score by the same measure, for comparison
+    assert "the failure-free run (30 steps) scores 1.000 by the same measure" in md
+    assert data["baseline"]["goodput"] == 1.0
     for name in ("summary.png", "progress.png", "goodput.png", "lost_work.png", "recovery.png"):
         assert open(files[name], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -197,7 +200,9 @@ def test_repetitions_report_each_policys_median_goodput_and_range_and_pool_the_f
     assert md.startswith("Over 3 repetitions of the same experiment")
     assert (f"| auto | {auto.goodput_median:.3f} | {min(auto.goodputs):.3f} - {max(auto.goodputs):.3f} | "
             f"{', '.join(f'{g:.3f}' for g in auto.goodputs)} | 4, 4, 4 | 3 | 1 |") in md, md
+    assert "The failure-free runs by the same measure" in md and "median 1.000 (1.000 - 1.000; 1.000, 1.000, 1.000)" in md
     data = json.load(open(files["repeats.json"]))
+    assert data["baseline_goodputs"] == [1.0, 1.0, 1.0]
     assert [p["policy"] for p in data["policies"]] == ["every:5", "auto"]
     assert data["policies"][1]["failures"] == 3 and data["policies"][1]["lost_iters"] == [1, 1, 1]
     assert len(data["repetitions"]) == 3
@@ -229,6 +234,7 @@ def test_run_repeated_runs_the_whole_experiment_n_times_each_into_its_own_direct
     results = experiment_mod.run_repeated(c, 3, log=lines.append)
     assert seen == [str(out / f"repeat-{i}") for i in (1, 2, 3)] and len(results) == 3
     assert lines[0] == "=== repetition 1/3" and "over 3 runs" in lines[-2] and lines[-1].endswith("repeats.json")
+    assert any(line.startswith("no failures  goodput median 1.000") for line in lines), lines
     assert (out / "repeats.md").exists() and (out / "repeats.json").exists()
     with pytest.raises(ValueError, match="repeat must be a whole number >= 1"):
         experiment_mod.run_repeated(c, 0)
@@ -254,3 +260,27 @@ def test_the_ray_job_entry_point_runs_the_repetitions_and_prints_the_medians(tmp
     assert out["repetitions"] == 2 and set(out["goodput_median"]) == {"every:5", "auto"}
     assert out["repeats"] == str(tmp_path / "job" / "repeats.json") and (tmp_path / "job" / "repeats.json").exists()
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"experiment": out}
+
+
+def test_the_report_gives_the_failure_free_runs_own_goodput_by_the_same_measure(tmp_path):
+    """Goodput's yardstick is the failure-free run's median step, so that run itself scores below
+    1 by its slow steps (here two steps 0.3 s slower than the 0.1-s median: 3.0 / 3.6 s); the
+    report, the console summary and the repetitions' summary say so beside the policies."""
+    from cfdist.chaos.report import baseline_goodputs, repeat_lines, summary_lines
+
+    c = ExperimentConfig(policies=("every:5", "auto"), steps=30, epoch_steps=10, mtbf_s=1.0, failures="crash",
+                         schedule="fixed", max_scheduled=1, out_dir=str(tmp_path), live_recovery=False)
+    logs = _logs()
+    slow = started(k=10).run(30, extra_s=0.3)   # steps 11 and 21 take 0.4 s
+    slow.at(0.2, "end", step=30)
+    logs["baseline"] = (slow.recs, logs["baseline"][1], 9.0)
+    res = analyse(c, build_schedule(c), logs, str(tmp_path))
+    assert res.iter_s == pytest.approx(0.1)
+    assert res.baseline.goodput == pytest.approx(3.0 / 3.6, abs=1e-3)
+    assert "the failure-free run (30 steps) scores 0.833 by the same measure" in markdown(res)
+    assert summary_lines(res.runs, res.baseline)[0].startswith("no failures            goodput 0.833")
+    assert len(summary_lines(res.runs)) == len(res.runs)
+    other = _analysed(tmp_path, 2.0)   # a repetition whose failure-free run had no slow step
+    assert baseline_goodputs([res, other, dataclasses.replace(other, baseline=None)]) == pytest.approx((0.833, 1.0), abs=1e-3)
+    assert repeat_lines(repeated([res, other]), baseline_goodputs([res, other]))[0].startswith(
+        "no failures  goodput median 0.917 (0.833 - 1.000; 0.833, 1.000)")
