@@ -227,14 +227,17 @@ def write_report(res: ExperimentResult, out_dir: str, *, title: str = "") -> dic
     return files
 
 
+_YARDSTICK = ("its iteration time is that run's median step, so what the failure-free run itself lacks of 1 is "
+              "its steps' spread and the warm spare processes it starts like every run, not failures or checkpoints")
+"""Why the failure-free run scores below 1 by goodput's own measure (every report says it once)."""
+
+
 def baseline_text(baseline: RunMetrics) -> str:
     """What the failure-free run scores by goodput's own measure, for comparison: goodput's
     yardstick is that run's *median* step, so the run itself stays below 1 by its steps' spread
     and by the warm spare processes it starts like every run (see docs/experiments.md)."""
     return (f"For comparison, the failure-free run ({baseline.useful_iters} steps) scores "
-            f"{baseline.goodput:.3f} by the same measure: its iteration time is that run's median step, "
-            f"so what the run itself lacks of 1 is its steps' spread and the warm spare processes it "
-            f"starts like every run, not failures or checkpoints.")
+            f"{baseline.goodput:.3f} by the same measure: {_YARDSTICK}.")
 
 
 def summary_lines(runs: Sequence[PolicyRun], baseline: RunMetrics | None = None) -> list[str]:
@@ -242,8 +245,8 @@ def summary_lines(runs: Sequence[PolicyRun], baseline: RunMetrics | None = None)
     with ``baseline``, first a line with the failure-free run's own goodput (:func:`baseline_text`)."""
     out = []
     if baseline is not None:
-        out.append(f"{'no failures':<22} goodput {baseline.goodput:.3f} (the failure-free run against its own "
-                   f"median step: the steps' spread and the spare processes' start)")
+        out.append(f"{'no failures':<22} goodput {baseline.goodput:.3f} (the failure-free run by the same measure: "
+                   f"{_YARDSTICK})")
     for r in runs:
         m, p, x = r.measured, r.prediction, r.cross_prediction
         out.append(f"{r.label:<22} goodput {m.goodput:.2f} (sim {p.goodput:.2f} {p.relative_error:+.0%}, "
@@ -334,8 +337,7 @@ def repeats_markdown(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] =
         lines.append(f"| {r.policy} | {r.goodput_median:.3f} | {min(r.goodputs):.3f} - {max(r.goodputs):.3f} | "
                      f"{each} | {ks} | {r.failures} | {lost} | {rec} |")
     if baseline:
-        lines += ["", f"The failure-free runs by the same measure (against their own median step, so below 1 by "
-                      f"their steps' spread and their spare processes' start): {_baseline_range(baseline)}."]
+        lines += ["", f"The failure-free runs by the same measure: {_baseline_range(baseline)} ({_YARDSTICK})."]
     return "\n".join(lines) + "\n"
 
 
@@ -362,7 +364,7 @@ def write_repeats(results: Sequence[ExperimentResult], out_dir: str) -> dict[str
 def repeat_lines(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = ()) -> list[str]:
     """One console line per policy over the repetitions; with ``baseline`` (the failure-free
     runs' own goodputs), first a line for them."""
-    first = [f"{'no failures':<12} goodput {_baseline_range(baseline)} (against their own median step)"] \
+    first = [f"{'no failures':<12} goodput {_baseline_range(baseline)} (the failure-free runs by the same measure)"] \
         if baseline else []
     return first + [f"{r.policy:<12} goodput median {r.goodput_median:.3f} ({min(r.goodputs):.3f}-{max(r.goodputs):.3f} "
             f"over {len(r.goodputs)} runs)  failures {r.failures}  lost it. max "
