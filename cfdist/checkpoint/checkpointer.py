@@ -1146,7 +1146,12 @@ class Checkpointer:
             send = None if own is None else (dict(own[0], world_size=self.world_size), own[1])
         else:
             send = None
-        manifest, tensors = peer.broadcast_state(send, src, why=why)
+        # A rank that kept nothing (a replacement) receives into its own tensors in place; a
+        # survivor's tensors are its kept state (a later recovery may still restore it).
+        into = None
+        if kept is None and self.rank != src:
+            _, into = flatten({k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY})
+        manifest, tensors = peer.broadcast_state(send, src, why=why, into=into)
         where = f"the live state of step {step} from rank {src}"
         if manifest.get("step") != step:
             raise CheckpointError(f"{where}: it holds step {manifest.get('step')}")

@@ -109,13 +109,22 @@ def forget(storages: list[Storage], step: int) -> None:
 
 
 
-def broadcast_state(content: tuple[dict, dict] | None, src: int, *, why: str = "") -> tuple[dict, dict]:
+def broadcast_state(content: tuple[dict, dict] | None, src: int, *, why: str = "",
+                    into: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict]:
     """Collective over the default group: rank ``src`` sends ``content``, the ``(manifest,
     tensors)`` of a step held in its process (a survivor's live state,
     :meth:`cfdist.checkpoint.live.LiveState.content`), and every rank returns it (``src`` its
-    own tensors, no copy; the others fresh CPU tensors). Nothing touches storage: the manifest
-    travels as JSON, the tensors as one byte buffer in :data:`CHUNK` pieces. ``src`` with
-    ``content=None`` makes every rank raise ``CheckpointError`` (``why`` says why it has none)."""
+    own tensors, no copy; the others the tensors they received). Nothing touches storage: the
+    manifest travels as JSON, the tensors in :data:`CHUNK` pieces, each large one straight
+    into its destination (:data:`DIRECT_MIN`), the small ones packed into one buffer. ``src``
+    with ``content=None`` makes every rank raise ``CheckpointError`` (``why`` says why it has
+    none).
+
+    ``into``: on a receiving rank, tensors by name to receive into in place (a replacement
+    rank's own parameters and buffers: memory it touched already, where fresh buffers cost a
+    page fault per page and a second copy at the apply); those whose dtype, shape or layout
+    differ, and every name missing from it, get fresh CPU tensors. They are overwritten before
+    the state is checked against the live objects: pass only tensors whose values may be lost."""
     import torch.distributed as dist
 
     dev = _device()
@@ -136,24 +145,55 @@ def broadcast_state(content: tuple[dict, dict] | None, src: int, *, why: str = "
     if me == src:
         _broadcast_tensors([content[1][n] for n, _, _ in head["tensors"]], src, dev)
         return content
-    out = {n: torch.empty(tuple(shape), dtype=getattr(torch, d)) for n, d, shape in head["tensors"]}
+    out = {n: _destination(into.get(n) if into else None, getattr(torch, d), tuple(shape))
+           for n, d, shape in head["tensors"]}
     _broadcast_tensors([out[n] for n, _, _ in head["tensors"]], src, dev)
     return head["manifest"], out
 
 
+DIRECT_MIN = 1 << 20
+"""Bytes from which a tensor travels on its own, straight from its place on the sender into its
+place on the receivers (over gloo); smaller ones are packed into one buffer (one collective for
+all of them, where an optimizer's hundreds of small tensors would cost a round trip each)."""
+
+
+def _destination(t: torch.Tensor | None, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """``t`` (detached) when a broadcast can write into it in place, else a fresh CPU tensor."""
+    if (t is not None and t.dtype == dtype and tuple(t.shape) == shape and t.device.type == "cpu"
+            and t.is_contiguous()):
+        return t.detach()
+    return torch.empty(shape, dtype=dtype)
+
+
+def _direct(tensors: list[torch.Tensor], dev) -> list[bool]:
+    """Which of ``tensors`` travel on their own (:data:`DIRECT_MIN`); decided from their sizes
+    alone, the same on every rank. Over NCCL everything is packed (staged through the GPU)."""
+    if dev.type != "cpu":
+        return [False] * len(tensors)
+    return [t.numel() * t.element_size() >= DIRECT_MIN for t in tensors]
+
+
 def _broadcast_tensors(tensors: list[torch.Tensor], src: int, dev) -> None:
-    """Broadcast ``tensors`` (the same shapes and dtypes on every rank; on ``src`` the values)
-    as one byte buffer in :data:`CHUNK` pieces, filled back into them on the other ranks."""
+    """Broadcast ``tensors`` (the same shapes and dtypes on every rank; on ``src`` the values):
+    the large ones on their own, in place, the rest as one byte buffer, all in :data:`CHUNK`
+    pieces, filled back into them on the other ranks."""
     import torch.distributed as dist
 
-    sizes = [t.numel() * t.element_size() for t in tensors]
+    me = dist.get_rank()
+    direct = _direct(tensors, dev)
+    for t, d in zip(tensors, direct):
+        if d:
+            flat = t.detach().to(dev).contiguous().reshape(-1).view(torch.uint8)   # in place on receivers
+            for off in range(0, flat.numel(), CHUNK):
+                dist.broadcast(flat[off:off + CHUNK], src)
+    packed = [t for t, d in zip(tensors, direct) if not d]
+    sizes = [t.numel() * t.element_size() for t in packed]
     total = sum(sizes)
     if total == 0:
         return
-    me = dist.get_rank()
     if me == src:
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else
-                          torch.empty(0, dtype=torch.uint8) for t in tensors]).to(dev)
+                          torch.empty(0, dtype=torch.uint8) for t in packed]).to(dev)
     else:
         flat = torch.empty(total, dtype=torch.uint8, device=dev)
     for off in range(0, total, CHUNK):
@@ -162,7 +202,7 @@ def _broadcast_tensors(tensors: list[torch.Tensor], src: int, dev) -> None:
         return
     flat = flat.cpu()
     pos = 0
-    for t, n in zip(tensors, sizes):
+    for t, n in zip(packed, sizes):
         if n:
             t.reshape(-1).view(torch.uint8).copy_(flat[pos:pos + n])
         pos += n

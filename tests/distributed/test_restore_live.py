@@ -4,7 +4,8 @@ Real: 2 spawned processes in a gloo process group (FileStore in tmp_path), DDP o
 under SGD with momentum and a step LR scheduler, the Checkpointer with
 ``GroupOptions(live=True)`` (as ``cfdist.fit`` builds it) over ``file://`` storage.
 
-Rank 0 trains 6 steps beside rank 1 and keeps its live state (``Checkpointer.keep_live``, as
+An embedding and a buffer are large enough (``peer.DIRECT_MIN``) to travel on their own, into
+the replacement's own tensors. Rank 0 trains 6 steps beside rank 1 and keeps its live state (``Checkpointer.keep_live``, as
 after its group failed); then both ranks build fresh objects (rank 1's from another seed, as a
 replacement process would, with nothing of the run) and a fresh Checkpointer, and
 ``restore_live(6, src=0, ...)`` gives both rank 0's step 6: no file is read or written. Both
@@ -15,6 +16,7 @@ failure inside the optimizer update is not kept.
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -22,6 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cfdist
+from cfdist.checkpoint import peer
 from cfdist.checkpoint.format import CheckpointError
 from cfdist.cluster.exits import ends_process
 from tests.distributed.ranks import gloo_cases, run_ranks
@@ -29,9 +32,24 @@ from tests.distributed.ranks import gloo_cases, run_ranks
 KEPT_AT, END = 6, 10
 
 
+class _Net(torch.nn.Module):
+    """A small MLP beside an embedding and a buffer of >= ``peer.DIRECT_MIN`` bytes each (the
+    embedding's momentum too): those travel on their own, the embedding and the buffer straight
+    into a replacement's own tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        self.emb = torch.nn.Embedding(65536, 4)
+        self.register_buffer("table", torch.randn(300_000))
+
+    def forward(self, x):
+        return self.mlp(x) + 0.01 * self.emb.weight[:4].sum()
+
+
 def _objects(seed: int):
     torch.manual_seed(seed)
-    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)))
+    ddp = DDP(_Net())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     return {"model": ddp, "optim": opt, "sched": sched}
@@ -46,9 +64,13 @@ def _train(objs, ckpt, rank: int, first: int, last: int) -> None:
         objs["optim"].zero_grad()
 
 
+def _values(t: torch.Tensor):
+    return t.tolist() if t.numel() < 10_000 else hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
 def _state(objs) -> dict:
-    return {"model": {k: v.tolist() for k, v in objs["model"].module.state_dict().items()},
-            "momentum": [objs["optim"].state[p]["momentum_buffer"].tolist() for p in objs["model"].parameters()],
+    return {"model": {k: _values(v) for k, v in objs["model"].module.state_dict().items()},
+            "momentum": [_values(objs["optim"].state[p]["momentum_buffer"]) for p in objs["model"].parameters()],
             "lr": objs["sched"].get_last_lr()}
 
 
@@ -132,8 +154,28 @@ def _worker(rank: int, store_path: str, url: str, out: str) -> None:
         again.close()
         return {"got": got, "latest": latest, "writer": again.writer, "end": _state(fresh)}
 
+    def into():
+        """``peer.broadcast_state(..., into=...)`` on its own: which destinations a receiver's
+        tensors are, and that every value arrives."""
+        big = peer.DIRECT_MIN // 4
+        sent = {"in_place": torch.arange(big, dtype=torch.float32),
+                "fresh_dtype": torch.arange(big, dtype=torch.float32),
+                "strided": torch.arange(2 * big, dtype=torch.float32).reshape(2, big),
+                "absent": torch.full((big,), 7.0),
+                "small": torch.arange(10, dtype=torch.int64), "small_too": torch.ones(3, dtype=torch.bool)}
+        if rank == 0:
+            peer.broadcast_state(({"step": 1}, sent), 0)
+            return None
+        dest = {"in_place": torch.zeros(big), "fresh_dtype": torch.zeros(big, dtype=torch.float64),
+                "strided": torch.zeros(big, 2).t(), "small": torch.zeros(10, dtype=torch.int64)}
+        manifest, got = peer.broadcast_state(None, 0, into=dest)
+        return {"manifest": manifest,
+                "equal": {n: torch.equal(got[n], t) for n, t in sent.items()},
+                "same": {n: got[n].data_ptr() == dest[n].data_ptr() for n in dest}}
+
     gloo_cases(rank, 2, store_path, out, [("uninterrupted", uninterrupted), ("restored", restored),
-                                          ("missing", missing), ("torn", torn), ("sliced", sliced)])
+                                          ("missing", missing), ("torn", torn), ("sliced", sliced),
+                                          ("into", into)])
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +201,17 @@ def test_both_ranks_restore_the_survivors_step_and_end_bit_identical_to_the_unin
     # nothing went through storage: no step was written for the restored Checkpointer
     # (the roots' names: "live" is in the tmp path too)
     assert not [p for p in (tmp / "ckpt").rglob("step-*") if p.parent.name in ("live", "live2")]
+
+
+def test_a_receiver_gets_large_tensors_in_place_where_they_fit_and_every_value_everywhere(results):
+    """A destination of the same dtype, shape and a contiguous layout receives in place (a large
+    one straight from the sender, a small one from the packed buffer); one of another dtype or a
+    strided one is passed over for a fresh tensor, as is a name it lacks; every value arrives."""
+    res, _ = results
+    got = res[1]["into"]
+    assert got["manifest"] == {"step": 1}
+    assert all(got["equal"].values()), got["equal"]
+    assert got["same"] == {"in_place": True, "fresh_dtype": False, "strided": False, "small": True}, got["same"]
 
 
 def test_a_source_without_live_state_fails_every_rank_instead_of_hanging(results):
