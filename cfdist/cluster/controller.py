@@ -221,6 +221,7 @@ class Controller:
         elif pool is not None and not pool.get("accounted"):   # halted: account for it by the kill
             wait = min(wait, max(0.0, pool["deadline"] - self.clock()))
         status = st.group.poll(wait)
+        getattr(self.backend, "pump_preparations", lambda: None)()
         resize = self._absorb(st, status.records, self.backend.drain_commits())
         for n in getattr(self.backend, "drain_notices", list)():
             node = st.group.node_rank_of(n.get("node_id")) if hasattr(st.group, "node_rank_of") else None

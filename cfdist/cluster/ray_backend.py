@@ -11,6 +11,7 @@ Call from the driver, one thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -72,6 +73,9 @@ class RayBackend:
         self._recycled: set[int] = set()   # id() of spares that are a failed group's survivors
         self._live_held: dict[str, list[tuple]] = {}   # node id -> [(survivor actor, step it kept in process)]
         self._started_only: set[int] = set()   # id() of spares started but not warmed up yet
+        self._prep: list[tuple] = []   # (kind, node id, launch, actor or None) waiting: see pump_preparations
+        self._hosts: dict[str, tuple[str, float]] = {}   # node id -> (its host's address, the node's CPUs)
+        self._prep_running: dict[str, list] = {}   # host -> refs of the preparations started there
         self._fn_ref = None
         self._staging: dict[str, object] = {}   # node id -> ref of the copy :meth:`stage` started, for the next group
         self._early_holdings: tuple[float, dict] | None = None   # (when, {node id: (actor, ref)}): see lost_nodes
@@ -122,8 +126,15 @@ class RayBackend:
         if not self.config.warm_spares:
             return
         for n in nodes:
-            if n.node_id in self.actors and n.node_id not in self._standby:
-                self._standby[n.node_id] = self._spawn(n, standby=True)[0]
+            if n.node_id in self.actors and n.node_id not in self._standby and not self._queued("standby", n.node_id):
+                self._prepare("standby", n, functools.partial(self._start_standby, n))
+
+    def _start_standby(self, n: NodeInfo):
+        if n.node_id in self._standby or n.node_id not in self.actors:   # one came meanwhile; or no actor to stand by
+            return None
+        actor, ready = self._spawn(n, standby=True)
+        self._standby[n.node_id] = actor
+        return ready
 
     def prewarm(self, nodes: list[NodeInfo]) -> None:
         """Start node actors on spare nodes now (non-blocking), so that a recovery onto them
@@ -234,6 +245,7 @@ class RayBackend:
         return True
 
     def _forget(self, node_id: str) -> None:
+        self._prep = [x for x in self._prep if x[1] != node_id]
         self.actors.pop(node_id, None)
         self.tiers.pop(node_id, None)
         standby = self._standby.pop(node_id, None)
@@ -270,7 +282,8 @@ class RayBackend:
 
     # ---- warm spare ranks ------------------------------------------------------------------------
     def _refill_spares(self, nodes: list[NodeInfo], *, warm: bool = True) -> None:
-        """Start (non-blocking) spare rank processes until each node has one per rank slot.
+        """Start (non-blocking) spare rank processes until each node has one per rank slot
+        (queued: :meth:`pump_preparations`; the first group's, ``warm=False``, at once).
 
         ``warm=False``: the processes only start (Ray's worker, torch and cfdist imported:
         most of a spare's cost); a later call with ``warm=True`` has them finish warming up
@@ -284,17 +297,90 @@ class RayBackend:
         for n in nodes:
             pool = self._spares.setdefault(n.node_id, [])
             if warm:
-                for i, (actor, _) in enumerate(pool):
-                    if id(actor) in self._started_only:
-                        self._started_only.discard(id(actor))
-                        pool[i] = (actor, actor.warm.remote(self._fn_ref))
-            while len(pool) < self.config.workers_per_node:
-                actor = new_rank_actor(self.config, n.node_id, None)
+                for actor, _ in pool:
+                    if id(actor) in self._started_only and not self._queued("warm", n.node_id, actor):
+                        self._prepare("warm", n, functools.partial(self._warm_spare, n.node_id, actor), actor)
+            queued = sum(1 for k, nid, _, _ in self._prep if k == "spare" and nid == n.node_id)
+            for _ in range(self.config.workers_per_node - len(pool) - queued):
                 if warm:
-                    pool.append((actor, actor.warm.remote(self._fn_ref)))
-                else:
+                    self._prepare("spare", n, functools.partial(self._start_spare, n.node_id))
+                else:   # the first group's: beside its ranks, at once (start-up pays their imports)
+                    actor = new_rank_actor(self.config, n.node_id, None)
                     self._started_only.add(id(actor))
                     pool.append((actor, actor.pid.remote()))
+
+    def _warm_spare(self, node_id: str, actor):
+        """Have a started spare warm up (its pool entry's ref becomes the warm-up's); None when
+        a recovery took it meanwhile."""
+        pool = self._spares.get(node_id, [])
+        at = next((i for i, (a, _) in enumerate(pool) if a is actor), None)
+        if at is None or id(actor) not in self._started_only:
+            return None
+        self._started_only.discard(id(actor))
+        pool[at] = (actor, actor.warm.remote(self._fn_ref))
+        return pool[at][1]
+
+    def _start_spare(self, node_id: str):
+        actor = new_rank_actor(self.config, node_id, None)
+        ref = actor.warm.remote(self._fn_ref)
+        self._spares.setdefault(node_id, []).append((actor, ref))
+        return ref
+
+    # ---- preparations: processes started or warmed ahead, a few at a time per host ---------------
+    def _prepare(self, kind: str, n: NodeInfo, launch, actor=None) -> None:
+        self._prep.append((kind, n.node_id, launch, actor))
+        self.pump_preparations()
+
+    def _queued(self, kind: str, node_id: str, actor=None) -> bool:
+        return any(k == kind and nid == node_id and (actor is None or a is actor) for k, nid, _, a in self._prep)
+
+    def _launch(self, i: int) -> None:
+        kind, nid, launch, _ = self._prep.pop(i)
+        if nid in self.dead or nid in self.excluded:
+            return
+        try:
+            ref = launch()
+        except Exception as e:  # noqa: BLE001 - an optimisation only: the recovery starts what it needs
+            log.warning("could not start a %s on node %s ahead: %s", kind, nid[:8], e)
+            return
+        if ref is not None:
+            self._prep_running.setdefault(self._host_of(nid), []).append(ref)
+
+    def _host_of(self, node_id: str) -> str:
+        if node_id not in self._hosts:
+            self._hosts = {n["NodeID"]: (n.get("NodeManagerAddress", ""), float(n.get("Resources", {}).get("CPU", 0)))
+                           for n in ray.nodes() if n.get("Alive")}
+        return self._hosts.get(node_id, ("", 0.0))[0] or node_id
+
+    def _prep_room(self, host: str) -> int:
+        """Preparations that may run at once on ``host``: its CPUs (its Ray nodes' together)
+        less the running group's ranks there, halved; at least one."""
+        cpus = sum(c for h, c in self._hosts.values() if h == host)
+        ranks = self.config.workers_per_node * sum(
+            1 for n in (self.group.nodes if self.group is not None else []) if self._host_of(n.node_id) == host)
+        return max(1, int(cpus - ranks) // 2)
+
+    def pump_preparations(self) -> None:
+        """Start the queued preparations (warm spares' warm-ups, new spare processes, standby
+        checkpoint actors) that their host has room for: each one imports torch and more for
+        seconds on a core, and training's ranks need theirs when they wake. Room on a host:
+        its CPUs less its ranks, halved (at least one at a time): on a 2-core machine that
+        fakes two nodes, one preparation runs beside the ranks instead of four. Called by the
+        controller's loop; a recovery takes what it needs at once (:meth:`_take_spares`)."""
+        for host, refs in list(self._prep_running.items()):
+            if refs:
+                _, refs = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if refs:
+                self._prep_running[host] = refs
+            else:
+                del self._prep_running[host]
+        i = 0
+        while i < len(self._prep):
+            host = self._host_of(self._prep[i][1])
+            if len(self._prep_running.get(host, ())) < self._prep_room(host):
+                self._launch(i)
+            else:
+                i += 1
 
     def _take_spares(self, nodes: list[NodeInfo]) -> dict[str, list]:
         """Up to ``workers_per_node`` warm spares of each of ``nodes`` (removed from the pool),
@@ -303,6 +389,10 @@ class RayBackend:
         one). A spare that died or does not get ready within the rendezvous timeout is replaced
         by a fresh rank."""
         w = self.config.workers_per_node
+        want = {n.node_id for n in nodes}
+        for i in reversed(range(len(self._prep))):   # spares still queued for these nodes: start them now
+            if self._prep[i][0] in ("spare", "warm") and self._prep[i][1] in want:
+                self._launch(i)
         pools = {}
         for n in nodes:
             pool = self._spares.pop(n.node_id, [])
@@ -527,7 +617,9 @@ class RayBackend:
         """Start replacement warm spares for the running group's nodes and the spare nodes
         (non-blocking). The controller calls it once the group completed its first step: new
         processes importing torch compete for the CPUs with the restore and the first step,
-        so they start only after the recovery (measured: setup 0.4 s with them, 0.05 s without)."""
+        so they start only after the recovery (measured: setup 0.4 s with them, 0.05 s without).
+        They are queued as preparations (:meth:`pump_preparations`): the spares first, a failure
+        of any rank needs one; the standbys after them."""
         if self.group is not None:
             self._refill_spares(self.group.nodes)
             self._refill_standby(self.group.nodes)
@@ -660,6 +752,7 @@ class RayBackend:
             except Exception:  # noqa: BLE001
                 pass
         self._standby.clear()
+        self._prep.clear()
         for pool in self._spares.values():
             for actor, _ in pool:
                 self._kill_spare(actor)
