@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import shutil
 import time
@@ -49,6 +50,10 @@ answer in milliseconds; one of a node just lost answers only once Ray's health c
 An answer still pending from an earlier poll is not waited for again."""
 
 
+_URGENT_S = 60.0
+"""Seconds after a failure during which preparations (replacement spares, standbys) start at
+once instead of a few at a time per host (:meth:`RayBackend.pump_preparations`)."""
+
 class RayBackend:
     """Implements :class:`cfdist.cluster.states.ClusterBackend` on Ray."""
 
@@ -75,6 +80,7 @@ class RayBackend:
         self._started_only: set[int] = set()   # id() of spares started but not warmed up yet
         self._prep: list[tuple] = []   # (kind, node id, launch, actor or None) waiting: see pump_preparations
         self._hosts: dict[str, tuple[str, float]] = {}   # node id -> (its host's address, the node's CPUs)
+        self._failed_at = -math.inf   # time.monotonic() of the last failure (retire_group)
         self._prep_running: dict[str, list] = {}   # host -> refs of the preparations started there
         self._fn_ref = None
         self._staging: dict[str, object] = {}   # node id -> ref of the copy :meth:`stage` started, for the next group
@@ -354,19 +360,26 @@ class RayBackend:
 
     def _prep_room(self, host: str) -> int:
         """Preparations that may run at once on ``host``: its CPUs (its Ray nodes' together)
-        less the running group's ranks there, halved; at least one."""
+        less the running group's ranks there, halved; at least two (one at a time left the
+        first failures of a run with one every 5 s without a ready standby). Within :data:`_URGENT_S`
+        of a failure, all of them: the next failure may come before a queue drains (at one
+        node preemption every 5 s, one at a time left a drained node's standby or spare not
+        started at the next one: 5 of 12 recoveries took 2 s instead of 0.2)."""
+        if time.monotonic() - self._failed_at < _URGENT_S:
+            return len(self._prep) + sum(len(r) for r in self._prep_running.values()) + 1
         cpus = sum(c for h, c in self._hosts.values() if h == host)
         ranks = self.config.workers_per_node * sum(
             1 for n in (self.group.nodes if self.group is not None else []) if self._host_of(n.node_id) == host)
-        return max(1, int(cpus - ranks) // 2)
+        return max(2, int(cpus - ranks) // 2)
 
     def pump_preparations(self) -> None:
         """Start the queued preparations (warm spares' warm-ups, new spare processes, standby
         checkpoint actors) that their host has room for: each one imports torch and more for
         seconds on a core, and training's ranks need theirs when they wake. Room on a host:
-        its CPUs less its ranks, halved (at least one at a time): on a 2-core machine that
-        fakes two nodes, one preparation runs beside the ranks instead of four. Called by the
-        controller's loop; a recovery takes what it needs at once (:meth:`_take_spares`)."""
+        its CPUs less its ranks, halved, at least two (:meth:`_prep_room`; all of them within
+        :data:`_URGENT_S` of a failure): on a 2-core machine that fakes two nodes, two run
+        beside the ranks instead of four. Called by the controller's loop; a recovery takes
+        what it needs at once (:meth:`_take_spares`)."""
         for host, refs in list(self._prep_running.items()):
             if refs:
                 _, refs = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -421,6 +434,7 @@ class RayBackend:
         """After a failure: stop ``group``; its ranks that survived (their process lives, on a
         node not lost) become warm spares of their node, ahead of the pool (no process start
         for them at the restart); the others are killed."""
+        self._failed_at = time.monotonic()   # preparations start at once for a while (_prep_room)
         if not self.config.warm_spares or self.config.use_gpu:
             group.shutdown()
             return

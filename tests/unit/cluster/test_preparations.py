@@ -1,7 +1,8 @@
 """``RayBackend``'s preparations: processes started or warmed ahead (warm spares' warm-ups, new
 spare processes, standby checkpoint actors) run a few at a time per host, so that training's
 ranks keep a core when they wake (on a 2-core machine faking two nodes, four preparations at
-once slowed the failure-free run's steps by ~0.45 s over its window; one at a time, ~0.15 s).
+once cost the failure-free run ~0.45 s of its window; two at a time, ~0.3 s); within a while
+of a failure, all at once (the next failure may come before a queue drains).
 
 Ray is faked here (``ray.nodes`` and ``ray.wait``, the only Ray calls of the queue): the
 preparations are plain callables that record their start and return a token for the fake
@@ -50,36 +51,38 @@ def backend(monkeypatch):
     return be, prepare, started, finished
 
 
-def test_one_preparation_at_a_time_on_a_host_whose_cores_the_ranks_fill(backend):
-    """Host "a": 2 CPUs, 2 ranks: room for one; the next starts only once it finished, in the
-    order they were queued, whichever of the host's nodes each is for."""
+def test_two_preparations_at_a_time_on_a_host_whose_cores_the_ranks_fill(backend):
+    """Host "a": 2 CPUs, 2 ranks: room for two (the least); the next starts only once one
+    finished, in the order they were queued, whichever of the host's nodes each is for."""
     be, prepare, started, finished = backend
     prepare("warm-n0", "n0", "warm")
     prepare("warm-n1", "n1", "warm")
     prepare("standby-n0", "n0")
-    assert started == ["warm-n0"]
-    be.pump_preparations()
-    assert started == ["warm-n0"], "a second preparation started while the first still ran"
-    finished.add("warm-n0")
-    be.pump_preparations()
+    prepare("standby-n1", "n1")
     assert started == ["warm-n0", "warm-n1"]
+    be.pump_preparations()
+    assert started == ["warm-n0", "warm-n1"], "a third preparation started while two still ran"
     finished.add("warm-n1")
     be.pump_preparations()
-    assert started == ["warm-n0", "warm-n1", "standby-n0"] and not be._prep
+    assert started == ["warm-n0", "warm-n1", "standby-n0"]
+    finished.update({"warm-n0", "standby-n0"})
+    be.pump_preparations()
+    assert started == ["warm-n0", "warm-n1", "standby-n0", "standby-n1"] and not be._prep
 
 
-def test_a_host_with_spare_cores_runs_several_at_once_and_hosts_do_not_wait_for_each_other(backend):
+def test_a_host_with_spare_cores_runs_more_at_once_and_hosts_do_not_wait_for_each_other(backend):
     """Host "b": 8 CPUs, no rank: room for (8 - 0) // 2 = 4; host "a"'s queue does not hold
-    back host "b"'s."""
+    back host "b"'s, nor "b"'s "a"'s."""
     be, prepare, started, finished = backend
     prepare("a1", "n0")
     for i in range(6):
         prepare(f"b{i}", "n2", "spare")
     prepare("a2", "n1")
-    assert started == ["a1", "b0", "b1", "b2", "b3"]
+    prepare("a3", "n1")
+    assert started == ["a1", "b0", "b1", "b2", "b3", "a2"]
     finished.update({"b0", "b1"})
     be.pump_preparations()
-    assert started == ["a1", "b0", "b1", "b2", "b3", "b4", "b5"]
+    assert started == ["a1", "b0", "b1", "b2", "b3", "a2", "b4", "b5"]
     assert [p[1] for p in be._prep] == ["n1"]
 
 
@@ -88,17 +91,18 @@ def test_a_queued_preparation_for_a_node_that_went_away_is_dropped(backend):
     (lost) loses its queued preparations."""
     be, prepare, started, finished = backend
     prepare("first", "n0")
+    prepare("second", "n0")
     prepare("for-excluded", "n1")
     prepare("for-forgotten", "n0", "spare")
     prepare("last", "n0")
     be.excluded.add("n1")
     finished.add("first")
     be.pump_preparations()
-    assert started == ["first", "for-forgotten"]
+    assert started == ["first", "second", "for-forgotten"]
     be._forget("n0")
-    finished.add("for-forgotten")
+    finished.update({"second", "for-forgotten"})
     be.pump_preparations()
-    assert started == ["first", "for-forgotten"] and not be._prep
+    assert started == ["first", "second", "for-forgotten"] and not be._prep
 
 
 def test_a_preparation_that_fails_to_start_is_logged_and_the_next_one_runs(backend, caplog):
@@ -111,5 +115,31 @@ def test_a_preparation_that_fails_to_start_is_logged_and_the_next_one_runs(backe
 
     be._prepare("standby", N["n0"], broken)
     prepare("next", "n1")
-    assert started == ["next"]
+    prepare("after", "n1")
+    assert started == ["next", "after"]
     assert any("could not start a standby on node n0" in r.getMessage() for r in caplog.records)
+
+
+def test_after_a_failure_preparations_start_at_once_then_a_few_at_a_time_again(backend, monkeypatch):
+    """Within ``_URGENT_S`` of a failure the replacement spares and standbys all start: the next
+    failure may come before a queue drains (at one node preemption every 5 s, a queue of one at
+    a time left the drained node's standby not started at the next one). Past it, the host's
+    room applies again."""
+    import dataclasses
+
+    be, prepare, started, finished = backend
+    now = [1000.0]
+    monkeypatch.setattr(ray_backend.time, "monotonic", lambda: now[0])
+    be.config = dataclasses.replace(be.config, warm_spares=False)   # retire_group then only stops the group
+    be.retire_group(SimpleNamespace(shutdown=lambda: None))
+    for name in ("spare-n1", "standby-n1", "warm-n0"):
+        prepare(name, "n1" if name.endswith("n1") else "n0")
+    assert started == ["spare-n1", "standby-n1", "warm-n0"]
+    now[0] += ray_backend._URGENT_S
+    prepare("later-a", "n0")
+    assert started == ["spare-n1", "standby-n1", "warm-n0"], "past the urgent window, a busy host takes no more"
+    finished.update({"spare-n1", "standby-n1", "warm-n0"})
+    be.pump_preparations()
+    prepare("later-b", "n0")
+    prepare("later-c", "n0")
+    assert started == ["spare-n1", "standby-n1", "warm-n0", "later-a", "later-b"]
