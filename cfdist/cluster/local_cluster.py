@@ -35,6 +35,8 @@ import tempfile
 import threading
 import uuid
 
+from cfdist.cluster.niceness import on_thread
+
 log = logging.getLogger(__name__)
 
 _OBJECT_STORE = 80 * 1024 * 1024
@@ -187,34 +189,24 @@ def add_worker_node(cluster, **node_args):
     without them (``Cluster._shutdown_at_exit``, Ray's own switch for it). The cluster's
     ``shutdown()`` still stops it (``LocalCluster.close``); should this process die first, its
     raylet exits once it loses the head node's GCS (whose own hook stops it at exit)."""
-    out: dict = {}
+    def start():
+        _nice_this_thread(_worker_niceness())
+        with _ADD_LOCK:
+            saved = cluster._shutdown_at_exit, os.environ.get(_NICENESS)
+            cluster._shutdown_at_exit = False
+            # a worker adds Ray's niceness to the one it was started with (15 + 15 = 19):
+            # it starts at the raylet's 15 already, so it is told to add nothing
+            os.environ[_NICENESS] = "0"
+            try:
+                return cluster.add_node(**node_args)
+            finally:
+                cluster._shutdown_at_exit = saved[0]
+                if saved[1] is None:
+                    os.environ.pop(_NICENESS, None)
+                else:
+                    os.environ[_NICENESS] = saved[1]
 
-    def start() -> None:
-        try:
-            _nice_this_thread(_worker_niceness())
-            with _ADD_LOCK:
-                saved = cluster._shutdown_at_exit, os.environ.get(_NICENESS)
-                cluster._shutdown_at_exit = False
-                # a worker adds Ray's niceness to the one it was started with (15 + 15 = 19):
-                # it starts at the raylet's 15 already, so it is told to add nothing
-                os.environ[_NICENESS] = "0"
-                try:
-                    out["node"] = cluster.add_node(**node_args)
-                finally:
-                    cluster._shutdown_at_exit = saved[0]
-                    if saved[1] is None:
-                        os.environ.pop(_NICENESS, None)
-                    else:
-                        os.environ[_NICENESS] = saved[1]
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread below
-            out["error"] = e
-
-    t = threading.Thread(target=start, name="cfdist-add-node", daemon=True)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["node"]
+    return on_thread(start, name="cfdist-add-node")   # its exception is re-raised here
 
 
 _NICENESS = "RAY_worker_niceness"

@@ -55,7 +55,7 @@ from cfdist.checkpoint.persist import (
 )
 from cfdist.checkpoint.reader import committed_steps, is_committed, map_shard_data, read_manifest
 from cfdist.checkpoint.slice_commit import SliceCommit
-from cfdist.cluster import transfer
+from cfdist.cluster import niceness, transfer
 from cfdist.cluster.config import FitConfig
 from cfdist.cluster.proc_log import stderr_to_file
 from cfdist.storage import open_storages
@@ -175,7 +175,7 @@ class NodeCheckpointer:
     """
 
     def __init__(self, *, config: FitConfig, run_id: str, node_id: str, node_name: str,
-                 notices: str | None = None, standby: bool = False):
+                 notices: str | None = None, standby: bool = False, role_nice: int | None = None):
         stderr_to_file(config.log_dir, f"node-actor-{node_name}")   # see cfdist.cluster.proc_log
         self._args = (run_id, notices)
         self.config = config
@@ -206,6 +206,17 @@ class NodeCheckpointer:
         self._shared_thread = threading.Thread(target=self._shared_loop, name="cfdist-shared", daemon=True)
         self._watcher = None
         self._active = False
+        self._nice = niceness.current()
+        """This process's priority (Ray's for its workers; a standby's: 19 until activated)."""
+        self._role_nice = self._nice if role_nice is None else role_nice
+        """The workers' priority on this node: a standby returns to it when activated."""
+        self._renice = niceness.can_renice(self._role_nice)
+        """Whether a process started at 19 on this node may return to ``_role_nice``: the
+        driver starts spares at 19 only then (:mod:`cfdist.cluster.niceness`)."""
+        self._prepared = standby
+        """Started ahead at the lowest priority (19; ``SCHED_IDLE`` too where it may return)."""
+        if standby and self._renice:
+            niceness.background()   # idle until activated: the ranks beside it keep the cores
         if not standby:
             self.activate()
 
@@ -213,10 +224,14 @@ class NodeCheckpointer:
         """Open this node's tiers (a fresh, empty memory tier; the local disk swept of
         uncommitted leftovers), start the shared copier and the notice watcher; returns
         :meth:`ready`. Once per actor: a standby becomes the node's actor. Call only when no
-        other actor of this run is active on the node (it removes their memory tier)."""
+        other actor of this run is active on the node (it removes their memory tier). A
+        standby started at the lowest priority returns to the workers' (``role_nice``) where
+        allowed (:func:`cfdist.cluster.niceness.foreground`; else it persists at the lowest)."""
         if self._active:
             return self.ready()
         self._active = True
+        if self._prepared and self._renice and niceness.foreground(self._role_nice):
+            self._nice = self._role_nice
         run_id, notices = self._args
         config, node_id = self.config, self.node_id
         root = memory_root(run_id)
@@ -247,8 +262,12 @@ class NodeCheckpointer:
 
     # ---- wiring ------------------------------------------------------------------------------
     def ready(self) -> dict:
-        """Where this node's tiers are (the worker's Checkpointer opens the same URLs)."""
+        """Where this node's tiers are (the worker's Checkpointer opens the same URLs); the
+        workers' priority here (``nice``), whether a process started at the lowest may return
+        to it (``renice``), and how to start one so (``python``, ``chrt``:
+        :func:`cfdist.cluster.niceness.prepared_options`)."""
         return {"node_id": self.node_id, "node_name": self.node_name, "pid": os.getpid(),
+                "nice": self._role_nice, "renice": self._renice, **niceness.node_facts(),
                 "memory": [s.url for s in self.mem] if self.mem else None,
                 "local": [s.url for s in self.local] if self.local else None,
                 "shared": self.shared[0].url if self.shared else None}

@@ -28,6 +28,7 @@ from cfdist.cluster.config import FitConfig
 from cfdist.cluster.decisions import Holding, RestoreChoice
 from cfdist.cluster.node_actor import NodeCheckpointer, memory_root
 from cfdist.cluster.nodes import NodeInfo
+from cfdist.cluster import niceness
 from cfdist.cluster.worker_group import ACTOR_GONE, RayWorkerGroup, _read_in_background, new_rank_actor
 
 log = logging.getLogger("cfdist.backend")
@@ -106,11 +107,18 @@ class RayBackend:
         return set(refs.values()) - {refs[r] for r in ready}
 
     def _spawn(self, n: NodeInfo, *, standby: bool = False):
+        """A checkpoint actor on ``n``; a standby starts at the lowest priority (a preparation:
+        :mod:`cfdist.cluster.niceness`) and returns to the node's workers' when activated, but
+        not within :data:`_URGENT_S` of a failure (:meth:`_urgent`)."""
+        here = self.tiers.get(n.node_id, {})
+        low = standby and not self._urgent()
+        role_nice = here.get("nice") if low else None
         actor = _RemoteNode.options(
             num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
+            **(niceness.prepared_options(here) if low else {}),
         ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name, notices=n.notices,
-                 standby=standby)
+                 standby=standby, role_nice=role_nice)
         return actor, actor.ready.remote()
 
     def _successor(self, n: NodeInfo) -> tuple:
@@ -323,12 +331,17 @@ class RayBackend:
         if at is None or id(actor) not in self._started_only:
             return None
         self._started_only.discard(id(actor))
-        pool[at] = (actor, actor.warm.remote(self._fn_ref))
+        pool[at] = (actor, actor.warm.remote(self._fn_ref, background=not self._urgent()))
         return pool[at][1]
 
     def _start_spare(self, node_id: str):
-        actor = new_rank_actor(self.config, node_id, None)
-        ref = actor.warm.remote(self._fn_ref)
+        """A new spare process; at the lowest priority where the node's checkpoint actor found
+        that it may return to the workers' when it takes a rank's role (:mod:`cfdist.cluster.niceness`),
+        but not within :data:`_URGENT_S` of a failure (:meth:`_urgent`)."""
+        here = self.tiers.get(node_id, {})
+        low = here.get("renice") and not self._urgent()
+        actor = new_rank_actor(self.config, node_id, None, prepared=here if low else None)
+        ref = actor.warm.remote(self._fn_ref, background=not self._urgent())
         self._spares.setdefault(node_id, []).append((actor, ref))
         return ref
 
@@ -365,12 +378,18 @@ class RayBackend:
         of a failure, all of them: the next failure may come before a queue drains (at one
         node preemption every 5 s, one at a time left a drained node's standby or spare not
         started at the next one: 5 of 12 recoveries took 2 s instead of 0.2)."""
-        if time.monotonic() - self._failed_at < _URGENT_S:
+        if self._urgent():
             return len(self._prep) + sum(len(r) for r in self._prep_running.values()) + 1
         cpus = sum(c for h, c in self._hosts.values() if h == host)
         ranks = self.config.workers_per_node * sum(
             1 for n in (self.group.nodes if self.group is not None else []) if self._host_of(n.node_id) == host)
         return max(2, int(cpus - ranks) // 2)
+
+    def _urgent(self) -> bool:
+        """Within :data:`_URGENT_S` of a failure: the next one may come before the preparations
+        are done, so they start at once (:meth:`_prep_room`) and at the workers' priority (at
+        the lowest, the spares a recovery needed were still starting: 2026-12-06's history)."""
+        return time.monotonic() - self._failed_at < _URGENT_S
 
     def pump_preparations(self) -> None:
         """Start the queued preparations (warm spares' warm-ups, new spare processes, standby

@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from cfdist.cluster import niceness
 from cfdist.cluster.context import PreemptionHalt, RankInfo, TrainContext
 from cfdist.cluster.proc_log import stderr_to_file
 from cfdist.cluster.exits import exit_process
@@ -44,7 +45,7 @@ class RankWorker:
 
     def __init__(self, info: RankInfo | None, *, use_gpu: bool, timeout_s: float, cpus: float,
                  sigterm_grace_s: float = 25.0, log_dir: str | None = None, live_timeout_s: float | None = None,
-                 keep_live: bool = False):
+                 keep_live: bool = False, role_nice: int | None = None):
         self.log_path = stderr_to_file(log_dir, "rank-worker")
         """This process's log file (None: stderr stays Ray's)."""
         self.info = info
@@ -67,6 +68,10 @@ class RankWorker:
         self._training = False
         self._finishing = False   # the loop returned: the final checkpoint and the barrier run
         self._ended = threading.Event()   # run() returned or raised (this attempt)
+        self._role_nice = role_nice
+        """A spare started at the lowest priority returns to this one when it takes a role."""
+        if role_nice is not None:
+            niceness.background()   # idle until it takes a role (:mod:`cfdist.cluster.niceness`)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -96,12 +101,21 @@ class RankWorker:
             log.info("attempt %d: rank %d of %d (node rank %d, pid %d)", self.info.attempt, self.info.rank,
                      self.info.world_size, self.info.node_rank, os.getpid())
 
-    def warm(self, train_fn=None) -> int:
+    def warm(self, train_fn=None, background: bool = False) -> int:
         """A spare (created with ``info=None``) gets ready for a role: imports what a rank needs;
         ``train_fn`` (an object ref, resolved by Ray) imports the training function's modules.
-        Returns the pid."""
+        ``background``: on a helper thread under ``SCHED_IDLE``, so that the ranks training
+        beside it keep their cores (:mod:`cfdist.cluster.niceness`). Returns the pid."""
         # (``cfdist`` itself, with the checkpoint, data and policy layers, is loaded already: it
         # is this module's parent package.)
+        if background:
+            niceness.run_at_background(self._warm_up)
+        else:
+            self._warm_up()
+        return os.getpid()
+
+    @staticmethod
+    def _warm_up() -> None:
         from cfdist.cluster import node_actor  # noqa: F401 - the ActorBackend of ctx.checkpointer
 
         if not dist.is_initialized():
@@ -115,7 +129,6 @@ class RankWorker:
                 opt.step()
             finally:
                 dist.destroy_process_group()
-        return os.getpid()
 
     def endpoint(self, info: RankInfo | None = None) -> dict:
         """This process's node id, IP and pid; on rank 0 also a fresh rendezvous store's port.
@@ -123,6 +136,9 @@ class RankWorker:
         import ray
 
         if info is not None:
+            if self._role_nice is not None:   # a spare started at the lowest priority: a rank now
+                niceness.foreground(self._role_nice)
+                self._role_nice = None
             self.info = info
             self._log_role()
 

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cfdist.cluster.config import FitConfig
 from cfdist.cluster.context import RankInfo
 from cfdist.cluster.decisions import RestoreChoice
+from cfdist.cluster import niceness
 from cfdist.cluster.nodes import NodeInfo
 from cfdist.cluster.states import GroupStatus, RankError
 from cfdist.cluster.worker import RankWorker
@@ -410,19 +411,23 @@ class RayWorkerGroup:
                 pass
 
 
-def new_rank_actor(config: FitConfig, node_id: str, info: RankInfo | None):
+def new_rank_actor(config: FitConfig, node_id: str, info: RankInfo | None, *, prepared: dict | None = None):
     """A rank's actor pinned to ``node_id``; ``info=None``: a warm spare (no CPUs reserved, no
-    GPU: it holds nothing while it waits for a role)."""
+    GPU: it holds nothing while it waits for a role). ``prepared``: what the node's checkpoint
+    actor reported (its ``ready()``): the spare starts at the lowest priority and returns to the
+    workers' (``prepared["nice"]``) when it takes a role (:mod:`cfdist.cluster.niceness`)."""
     spare = info is None
+    nice = prepared.get("nice") if spare and prepared else None
     return _RemoteWorker.options(
         num_cpus=0 if spare else config.cpus_per_worker,
         num_gpus=1 if config.use_gpu and not spare else 0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         max_concurrency=4, max_restarts=0, name=None,
+        **(niceness.prepared_options(prepared) if nice is not None else {}),
     ).remote(info, use_gpu=config.use_gpu, timeout_s=config.rendezvous_timeout_s, cpus=config.cpus_per_worker,
              sigterm_grace_s=config.sigterm_grace_s, log_dir=config.log_dir,
              live_timeout_s=config.live_timeout_s if config.live_recovery else None,
-             keep_live=keep_live(config))
+             keep_live=keep_live(config), role_nice=nice)
 
 
 def keep_live(config: FitConfig) -> bool:

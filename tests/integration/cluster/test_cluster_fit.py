@@ -1282,3 +1282,55 @@ def test_every_process_of_a_fake_node_runs_at_the_workers_niceness_from_its_star
         assert set(seen.values()) == {15}, {k: v for k, v in seen.items() if v != 15}
     finally:
         fake_cluster.remove_node(nid)
+
+
+def _main_thread_priority(pid: int) -> tuple[int, str]:
+    """(nice value, "idle" or "normal") of process ``pid``'s main thread."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[16]), {0: "normal", 5: "idle"}.get(int(fields[38]), fields[38])
+
+
+def test_standbys_and_new_spares_prepare_at_the_lowest_priority_and_return_to_the_workers_for_their_role(
+        fake_cluster, tmp_path):
+    """A standby checkpoint actor and a spare started after a failure run at nice 19 from their
+    start (Ray's ``RAY_worker_niceness`` in their ``runtime_env``) and under ``SCHED_IDLE`` from
+    their constructor, so the ranks beside them keep the cores; the standby returns to the
+    workers' priority (nice 15, normal policy) when it is activated, the spare when it takes a
+    rank's role (``endpoint``). All of this only where the node's checkpoint actor found the
+    return allowed (root here, as in CI); elsewhere the standby stays at 19 (not idle: it will
+    persist) and spares start like any worker. Real actors on the fake cluster's nodes."""
+    from cfdist.cluster.config import FitConfig
+    from cfdist.cluster.context import RankInfo
+    from cfdist.cluster.ray_backend import RayBackend
+
+    fake_cluster.ensure_workers(2)
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", run_name="nice", memory_tier=False, num_nodes=2,
+                    warm_spares=True)
+    backend = RayBackend(cfg, run_id="nice", train_fn=None, policy=None)
+    try:
+        node = backend.usable_nodes()[0]
+        backend._ensure_actors([node])
+        here = backend.tiers[node.node_id]
+        assert here["nice"] == 15
+        assert here["renice"] is (os.geteuid() == 0)
+        worker, prepared = (15, "normal"), ((19, "idle") if here["renice"] else (19, "normal"))
+
+        ready = backend._start_standby(node)
+        standby = backend._standby[node.node_id]
+        pid = ray.get(ready, timeout=120)["pid"]
+        assert _main_thread_priority(pid) == prepared, "the standby did not start at the lowest priority"
+        ray.get(standby.activate.remote(), timeout=60)
+        assert _main_thread_priority(pid) == (worker if here["renice"] else (19, "normal"))
+
+        ref = backend._start_spare(node.node_id)
+        (spare, _), = [x for x in backend._spares[node.node_id] if x[1] is ref]
+        spid = ray.get(ref, timeout=180)
+        assert _main_thread_priority(spid) == (prepared if here["renice"] else worker)
+        ray.get(spare.endpoint.remote(RankInfo(rank=1, world_size=2, local_rank=0, local_world_size=1, node_rank=1,
+                                                num_nodes=2, attempt=1)), timeout=60)
+        assert _main_thread_priority(spid) == worker, "the spare kept the lowest priority as a rank"
+        ray.kill(spare)
+        ray.kill(standby)
+    finally:
+        backend.close()

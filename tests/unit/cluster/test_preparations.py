@@ -143,3 +143,55 @@ def test_after_a_failure_preparations_start_at_once_then_a_few_at_a_time_again(b
     prepare("later-b", "n0")
     prepare("later-c", "n0")
     assert started == ["spare-n1", "standby-n1", "warm-n0", "later-a", "later-b"]
+
+
+def test_preparations_start_at_the_lowest_priority_unless_a_failure_was_recent(backend, monkeypatch):
+    """A new spare (where its node may return from the lowest priority), its warm-up, a
+    standby: at the lowest priority (:mod:`cfdist.cluster.niceness`), except within
+    ``_URGENT_S`` of a failure, when the next recovery may need them before they are done (at
+    the lowest, 2026-12-06's spares were still starting when the recovery came). Faked: the
+    actor classes (the options and arguments they get are what is checked)."""
+    be, _, _, _ = backend
+    made = []
+
+    class FakeActor:
+        def __init__(self, **kw):
+            self.kw = kw
+            self.warm = SimpleNamespace(remote=lambda fn, background: made.append(("warm", background)) or "ref")
+            self.ready = SimpleNamespace(remote=lambda: "ready")
+
+    def new_rank_actor(config, node_id, info, *, prepared=None):
+        made.append(("spare", prepared))
+        return FakeActor()
+
+    class FakeNode:
+        @staticmethod
+        def options(**opts):
+            return SimpleNamespace(remote=lambda **kw: made.append(("standby", opts.get("runtime_env"),
+                                                                    kw["role_nice"])) or FakeActor())
+
+    monkeypatch.setattr(ray_backend, "new_rank_actor", new_rank_actor)
+    monkeypatch.setattr(ray_backend, "_RemoteNode", FakeNode)
+    monkeypatch.setattr(ray_backend, "NodeAffinitySchedulingStrategy", lambda node_id, soft: node_id)
+    facts = {"nice": 15, "renice": True, "python": "/usr/bin/python3", "chrt": "/usr/bin/chrt"}
+    be.tiers["n0"] = facts
+    be.actors["n0"] = object()
+
+    be._start_spare("n0")
+    be._start_standby(N["n0"])
+    env = ray_backend.niceness.prepared_options(facts)["runtime_env"]
+    assert made == [("spare", facts), ("warm", True), ("standby", env, 15)]
+
+    made.clear()
+    be._standby.clear()
+    be._failed_at = ray_backend.time.monotonic()   # a failure just now
+    be._start_spare("n0")
+    be._start_standby(N["n0"])
+    assert made == [("spare", None), ("warm", False), ("standby", None, None)]
+
+    made.clear()
+    be._standby.clear()
+    be._failed_at = -float("inf")
+    be.tiers["n0"] = {**facts, "renice": False}   # a node where the way back is not allowed
+    be._start_spare("n0")
+    assert made == [("spare", None), ("warm", True)]
