@@ -29,13 +29,13 @@ So a preparation runs:
   (background persists) at 19 where it is not.
 
 The price: a preparation under ``SCHED_IDLE`` gets only what the ranks and every other
-process leave, so where failures come often it may not be done when the next recovery needs it
-(2026-12-06's measurement, with spares started idle: at a failure every 5 s the group waited
-for a spare still starting in 6 of 12 restarts). The driver therefore starts preparations at
-the workers' priority within a minute of a failure (``RayBackend._urgent``), and at the lowest
-otherwise; in a job that keeps every core busy, a low one waits for the ranks to pause (the
-next recovery at the latest, which then waits for the rest of it, as for a spare still warming
-up).
+process leave. Where the ranks sleep part of each step (a GPU's compute, the experiment's
+``step_s``) that is plenty: a node preempted every 5 s, no notice, cost 0.38-0.41 s per failure
+with every preparation idle and no recovery waited for a spare (2026-12-07; an earlier attempt
+without the preparation queue had spares still starting at half the restarts). A preparation a
+recovery waits for (``RayBackend._take_spares``) starts like any worker. In a job that keeps
+every core busy, an idle one waits for the ranks to pause: the next recovery at the latest,
+which then waits for the rest of it, as for a spare still warming up.
 
 Linux only (a thread's nice value and policy are its own there); elsewhere nothing changes.
 """

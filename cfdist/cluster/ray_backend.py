@@ -106,12 +106,12 @@ class RayBackend:
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         return set(refs.values()) - {refs[r] for r in ready}
 
-    def _spawn(self, n: NodeInfo, *, standby: bool = False):
+    def _spawn(self, n: NodeInfo, *, standby: bool = False, low: bool = True):
         """A checkpoint actor on ``n``; a standby starts at the lowest priority (a preparation:
-        :mod:`cfdist.cluster.niceness`) and returns to the node's workers' when activated, but
-        not within :data:`_URGENT_S` of a failure (:meth:`_urgent`)."""
+        :mod:`cfdist.cluster.niceness`; ``low=False``: like any worker) and returns to the node's
+        workers' when activated."""
         here = self.tiers.get(n.node_id, {})
-        low = standby and not self._urgent()
+        low = standby and low
         role_nice = here.get("nice") if low else None
         actor = _RemoteNode.options(
             num_cpus=0, max_concurrency=8, max_restarts=0,
@@ -143,10 +143,10 @@ class RayBackend:
             if n.node_id in self.actors and n.node_id not in self._standby and not self._queued("standby", n.node_id):
                 self._prepare("standby", n, functools.partial(self._start_standby, n))
 
-    def _start_standby(self, n: NodeInfo):
+    def _start_standby(self, n: NodeInfo, low: bool = True):
         if n.node_id in self._standby or n.node_id not in self.actors:   # one came meanwhile; or no actor to stand by
             return None
-        actor, ready = self._spawn(n, standby=True)
+        actor, ready = self._spawn(n, standby=True, low=low)
         self._standby[n.node_id] = actor
         return ready
 
@@ -323,25 +323,25 @@ class RayBackend:
                     self._started_only.add(id(actor))
                     pool.append((actor, actor.pid.remote()))
 
-    def _warm_spare(self, node_id: str, actor):
-        """Have a started spare warm up (its pool entry's ref becomes the warm-up's); None when
-        a recovery took it meanwhile."""
+    def _warm_spare(self, node_id: str, actor, low: bool = True):
+        """Have a started spare warm up (its pool entry's ref becomes the warm-up's), at the
+        lowest priority unless a recovery needs it now (``low=False``); None when a recovery
+        took it meanwhile."""
         pool = self._spares.get(node_id, [])
         at = next((i for i, (a, _) in enumerate(pool) if a is actor), None)
         if at is None or id(actor) not in self._started_only:
             return None
         self._started_only.discard(id(actor))
-        pool[at] = (actor, actor.warm.remote(self._fn_ref, background=not self._urgent()))
+        pool[at] = (actor, actor.warm.remote(self._fn_ref, background=low))
         return pool[at][1]
 
-    def _start_spare(self, node_id: str):
+    def _start_spare(self, node_id: str, low: bool = True):
         """A new spare process; at the lowest priority where the node's checkpoint actor found
         that it may return to the workers' when it takes a rank's role (:mod:`cfdist.cluster.niceness`),
-        but not within :data:`_URGENT_S` of a failure (:meth:`_urgent`)."""
+        unless a recovery needs it now (``low=False``: like any worker)."""
         here = self.tiers.get(node_id, {})
-        low = here.get("renice") and not self._urgent()
-        actor = new_rank_actor(self.config, node_id, None, prepared=here if low else None)
-        ref = actor.warm.remote(self._fn_ref, background=not self._urgent())
+        actor = new_rank_actor(self.config, node_id, None, prepared=here if low and here.get("renice") else None)
+        ref = actor.warm.remote(self._fn_ref, background=low)
         self._spares.setdefault(node_id, []).append((actor, ref))
         return ref
 
@@ -353,12 +353,14 @@ class RayBackend:
     def _queued(self, kind: str, node_id: str, actor=None) -> bool:
         return any(k == kind and nid == node_id and (actor is None or a is actor) for k, nid, _, a in self._prep)
 
-    def _launch(self, i: int) -> None:
+    def _launch(self, i: int, low: bool = True) -> None:
+        """Start queued preparation ``i``; at the lowest priority, unless a recovery waits for
+        it (``low=False``)."""
         kind, nid, launch, _ = self._prep.pop(i)
         if nid in self.dead or nid in self.excluded:
             return
         try:
-            ref = launch()
+            ref = launch(low=low)
         except Exception as e:  # noqa: BLE001 - an optimisation only: the recovery starts what it needs
             log.warning("could not start a %s on node %s ahead: %s", kind, nid[:8], e)
             return
@@ -387,8 +389,7 @@ class RayBackend:
 
     def _urgent(self) -> bool:
         """Within :data:`_URGENT_S` of a failure: the next one may come before the preparations
-        are done, so they start at once (:meth:`_prep_room`) and at the workers' priority (at
-        the lowest, the spares a recovery needed were still starting: 2026-12-06's history)."""
+        are done, so they start at once (:meth:`_prep_room`)."""
         return time.monotonic() - self._failed_at < _URGENT_S
 
     def pump_preparations(self) -> None:
@@ -424,7 +425,7 @@ class RayBackend:
         want = {n.node_id for n in nodes}
         for i in reversed(range(len(self._prep))):   # spares still queued for these nodes: start them now
             if self._prep[i][0] in ("spare", "warm") and self._prep[i][1] in want:
-                self._launch(i)
+                self._launch(i, low=False)   # the recovery waits for it: like any worker
         pools = {}
         for n in nodes:
             pool = self._spares.pop(n.node_id, [])

@@ -43,8 +43,8 @@ def backend(monkeypatch):
     started: list[str] = []
 
     def prepare(name: str, node: str, kind: str = "standby"):
-        def launch():
-            started.append(name)
+        def launch(low=True):
+            started.append(name if low else f"{name} (now)")
             return name
         be._prepare(kind, N[node], launch)
 
@@ -145,13 +145,14 @@ def test_after_a_failure_preparations_start_at_once_then_a_few_at_a_time_again(b
     assert started == ["spare-n1", "standby-n1", "warm-n0", "later-a", "later-b"]
 
 
-def test_preparations_start_at_the_lowest_priority_unless_a_failure_was_recent(backend, monkeypatch):
+def test_preparations_start_at_the_lowest_priority_unless_a_recovery_waits_for_them(backend, monkeypatch):
     """A new spare (where its node may return from the lowest priority), its warm-up, a
-    standby: at the lowest priority (:mod:`cfdist.cluster.niceness`), except within
-    ``_URGENT_S`` of a failure, when the next recovery may need them before they are done (at
-    the lowest, 2026-12-06's spares were still starting when the recovery came). Faked: the
-    actor classes (the options and arguments they get are what is checked)."""
-    be, _, _, _ = backend
+    standby: at the lowest priority (:mod:`cfdist.cluster.niceness`), also right after a
+    failure (with the queue, a node preempted every 5 s cost 0.38-0.41 s per failure so, 0.50
+    at the workers' priority); a spare or warm-up a recovery takes from the queue
+    (``_take_spares``: ``_launch(low=False)``) starts like any worker, since the recovery waits
+    for it. Faked: the actor classes (the options and arguments they get are what is checked)."""
+    be, prepare, started, _ = backend
     made = []
 
     class FakeActor:
@@ -176,22 +177,32 @@ def test_preparations_start_at_the_lowest_priority_unless_a_failure_was_recent(b
     facts = {"nice": 15, "renice": True, "python": "/usr/bin/python3", "chrt": "/usr/bin/chrt"}
     be.tiers["n0"] = facts
     be.actors["n0"] = object()
-
-    be._start_spare("n0")
-    be._start_standby(N["n0"])
     env = ray_backend.niceness.prepared_options(facts)["runtime_env"]
-    assert made == [("spare", facts), ("warm", True), ("standby", env, 15)]
+    low = [("spare", facts), ("warm", True), ("standby", env, 15)]
 
-    made.clear()
-    be._standby.clear()
-    be._failed_at = ray_backend.time.monotonic()   # a failure just now
     be._start_spare("n0")
     be._start_standby(N["n0"])
-    assert made == [("spare", None), ("warm", False), ("standby", None, None)]
+    assert made == low
 
     made.clear()
     be._standby.clear()
-    be._failed_at = -float("inf")
+    be._failed_at = ray_backend.time.monotonic()   # a failure just now: still the lowest
+    be._start_spare("n0")
+    be._start_standby(N["n0"])
+    assert made == low
+
+    made.clear()
+    be._start_spare("n0", low=False)   # a recovery waits for it
+    assert made == [("spare", None), ("warm", False)]
+
+    made.clear()
     be.tiers["n0"] = {**facts, "renice": False}   # a node where the way back is not allowed
     be._start_spare("n0")
     assert made == [("spare", None), ("warm", True)]
+
+    be._prep_running.clear()
+    prepare("queued-spare", "n1", "spare")   # room now (within _URGENT_S): starts low at once
+    assert started == ["queued-spare"]
+    be._prep.append(("spare", "n1", lambda low=True: started.append(f"taken low={low}"), None))
+    be._launch(len(be._prep) - 1, low=False)
+    assert started == ["queued-spare", "taken low=False"]
