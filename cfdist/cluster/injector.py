@@ -405,8 +405,7 @@ class FailureInjector:
                 self._add(e.node)
             else:
                 self._taken.discard(node_id)   # the drained node itself comes back
-                self.backend.excluded.discard(node_id)
-                getattr(self.backend, "dead", set()).discard(node_id)
+                self.backend.undrain(node_id)
         self.executed.append({"t": self.clock(), "kind": e.kind, "node": e.node, "rank": e.rank})
 
     @staticmethod

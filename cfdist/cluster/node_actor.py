@@ -91,6 +91,35 @@ def _sweep_orphans(run_name: str, node_id: str) -> None:
                 pass
 
 
+PREDECESSOR_WAIT_S = 2.0
+"""How long an activation waits for the node's previous actor, killed a moment before, to be
+gone (:meth:`NodeCheckpointer.activate`); Ray's kill takes milliseconds."""
+
+
+def _wait_gone(pids, timeout_s: float) -> None:
+    """Return once none of ``pids`` is alive, or after ``timeout_s`` (logged)."""
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in pids if p]
+    while left:
+        left = [p for p in left if pid_alive(p) and not _zombie(p)]
+        if not left:
+            return
+        if time.monotonic() >= deadline:
+            log.warning("the node's previous checkpoint actor (pid %s) is still alive %.1fs after its kill; "
+                        "opening the tiers anyway", left, timeout_s)
+            return
+        time.sleep(0.002)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits for its parent to reap it (its files are closed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False   # gone (pid_alive tells), or no /proc: as alive as pid_alive says
+
+
 SUMS_WAIT_S = 2.0
 """How long a peer asked for its copy of a step (:meth:`NodeCheckpointer.step_sums`) waits for
 that step's persist to arrive and finish (its rank submits it at the same time as node 0's)."""
@@ -220,16 +249,21 @@ class NodeCheckpointer:
         if not standby:
             self.activate()
 
-    def activate(self) -> dict:
+    def activate(self, after_pids: list[int] = ()) -> dict:
         """Open this node's tiers (a fresh, empty memory tier; the local disk swept of
         uncommitted leftovers), start the shared copier and the notice watcher; returns
         :meth:`ready`. Once per actor: a standby becomes the node's actor. Call only when no
         other actor of this run is active on the node (it removes their memory tier). A
         standby started at the lowest priority returns to the workers' (``role_nice``) where
-        allowed (:func:`cfdist.cluster.niceness.foreground`; else it persists at the lowest)."""
+        allowed (:func:`cfdist.cluster.niceness.foreground`; else it persists at the lowest).
+
+        ``after_pids``: the node's previous actor, killed a moment ago (the kill may not have
+        landed yet): nothing is swept before it is gone, or it could still commit a step whose
+        files the sweep removed; waited for up to :data:`PREDECESSOR_WAIT_S`."""
         if self._active:
             return self.ready()
         self._active = True
+        _wait_gone(after_pids, PREDECESSOR_WAIT_S)
         if self._prepared and self._renice and niceness.foreground(self._role_nice):
             self._nice = self._role_nice
         run_id, notices = self._args

@@ -74,6 +74,8 @@ class RayBackend:
         self._warming: dict[str, tuple] = {}   # node id -> (actor, ready ref): spares, started ahead
         self._draining: dict[str, tuple] = {}  # node id -> (actor, drain_events ref) not answered yet
         self._standby: dict[str, object] = {}  # node id -> a standby NodeCheckpointer (no tier opened)
+        self._activating: dict[str, tuple] = {}   # node id -> (standby, activate ref): see undrain
+        self._killed_pids: dict[str, int] = {}    # node id -> pid of the actor drain killed there
         self._spares: dict[str, list[tuple]] = {}   # node id -> [(rank actor, warm ref)]: warm spare ranks
         self._spare_pids: dict[object, int] = {}
         self._recycled: set[int] = set()   # id() of spares that are a failed group's survivors
@@ -125,11 +127,14 @@ class RayBackend:
         """``(actor, ready ref, is the standby)`` for a node without a live actor: one started
         ahead for a spare node, else the node's standby (activated now: no process start), else
         a new one."""
+        if n.node_id in self._activating:
+            return (*self._activating.pop(n.node_id), True)
         if n.node_id in self._warming:
             return (*self._warming.pop(n.node_id), False)
         standby = self._standby.pop(n.node_id, None)
         if standby is not None:
-            return standby, standby.activate.remote(), True
+            pid = self._killed_pids.pop(n.node_id, None)
+            return standby, standby.activate.remote(after_pids=[pid] if pid else []), True
         return (*self._spawn(n), False)
 
     def _refill_standby(self, nodes: list[NodeInfo]) -> None:
@@ -262,7 +267,7 @@ class RayBackend:
         self._prep = [x for x in self._prep if x[1] != node_id]
         self.actors.pop(node_id, None)
         self.tiers.pop(node_id, None)
-        standby = self._standby.pop(node_id, None)
+        standby = self._standby.pop(node_id, None) or self._activating.pop(node_id, (None,))[0]
         if standby is not None:
             try:
                 ray.kill(standby, no_restart=True)
@@ -283,9 +288,11 @@ class RayBackend:
         the kill took)."""
         self.excluded.add(node_id)
         actor = self.actors.pop(node_id, None)
-        self.tiers.pop(node_id, None)
+        pid = self.tiers.pop(node_id, {}).get("pid")
         if actor is not None:
             ray.kill(actor, no_restart=True)
+            if pid:
+                self._killed_pids[node_id] = pid
         held = {id(a) for a, _ in self._live_held.pop(node_id, [])}
         if held:
             pool = self._spares.pop(node_id, [])
@@ -293,6 +300,20 @@ class RayBackend:
                 if id(a) in held:
                     self._kill_spare(a)
             self._spares[node_id] = [x for x in pool if id(x[0]) not in held]
+
+    def undrain(self, node_id: str) -> None:
+        """The failure injector returns a node it drained (:meth:`drain`): usable again. Its
+        standby checkpoint actor, if it has one, is activated now (non-blocking): the recovery
+        that follows reads the answer instead of waiting ~20 ms for the activation (opening the
+        tiers, sweeping the local disk) on its critical path (:meth:`_successor`). The actor
+        :meth:`drain` killed may not be gone yet: the activation leaves a directory of a
+        process still alive alone (``NodeCheckpointer.activate``)."""
+        self.excluded.discard(node_id)
+        self.dead.discard(node_id)
+        standby = self._standby.pop(node_id, None) if node_id not in self.actors else None
+        if standby is not None:
+            pid = self._killed_pids.pop(node_id, None)
+            self._activating[node_id] = (standby, standby.activate.remote(after_pids=[pid] if pid else []))
 
     # ---- warm spare ranks ------------------------------------------------------------------------
     def _refill_spares(self, nodes: list[NodeInfo], *, warm: bool = True) -> None:
@@ -771,7 +792,7 @@ class RayBackend:
             pids = self.group.pids()
             self.group.shutdown()
         refs = []
-        for a in [*self.actors.values(), *(w[0] for w in self._warming.values())]:
+        for a in [*self.actors.values(), *(w[0] for w in [*self._warming.values(), *self._activating.values()])]:
             try:
                 refs.append(a.close.remote(dead_pids=pids))
             except Exception:  # noqa: BLE001
@@ -780,12 +801,14 @@ class RayBackend:
             ray.wait(refs, num_returns=len(refs), timeout=30)
         except Exception:  # noqa: BLE001
             pass
-        for a in [*self.actors.values(), *(w[0] for w in self._warming.values()), *self._standby.values()]:
+        for a in [*self.actors.values(), *(w[0] for w in [*self._warming.values(), *self._activating.values()]),
+                  *self._standby.values()]:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
         self._standby.clear()
+        self._activating.clear()
         self._prep.clear()
         for pool in self._spares.values():
             for actor, _ in pool:

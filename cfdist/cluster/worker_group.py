@@ -40,9 +40,12 @@ _PEER_DIED_S = 1.5
 """After a failure, how long a surviving rank has to start writing its live state (a rank in a
 collective starts within milliseconds; :meth:`RankWorker.peer_died` unblocks one at its run's
 end); a rank that has not started by then is not waited for."""
-_PROBE_AFTER_S = 0.05
-"""After a first error, how long the other ranks get before the nodes of those still running
-are probed (most outcomes are in by then)."""
+_PROBE_EVERY_S = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
+"""After a first error, when the nodes of the ranks still running are probed (seconds after
+the previous probe; the last value repeats): at once, since the first error is often a
+survivor's collective failing because its peer's node is gone (a lost node's ranks are reported
+only after Ray's health checks, seconds later), then again, sooner than later, for a node whose
+raylet outlived its workers by a moment. A probe costs a few milliseconds of the driver's time."""
 _HUNG_ASK_S = 2.0
 """A group that made no progress: how long each rank has to say which step it is at (a live
 process answers on another thread of its actor in milliseconds; a frozen one never does)."""
@@ -170,21 +173,32 @@ class RayWorkerGroup:
         """After a first error: wait up to ``_SETTLE_S`` for the other ranks' outcomes (a
         survivor's collective error follows its peer's death within milliseconds), but not for
         ranks of a node whose raylet is gone: Ray reports them dead only once its health checks
-        fail, seconds later."""
+        fail, seconds later. Their nodes are probed at once and then at :data:`_PROBE_EVERY_S`
+        while some ranks have not answered."""
         deadline = time.monotonic() + _SETTLE_S
-        ready, left = ray.wait(left, num_returns=len(left), timeout=min(_PROBE_AFTER_S, _SETTLE_S))
-        self._collect(ready)
-        if left and self._unreachable is not None:
-            by_ref = {ref: r for r, ref in self._refs.items()}
-            try:
-                gone = self._unreachable({self._node_of(by_ref[ref]) for ref in left})
-            except Exception as e:  # noqa: BLE001 - an optimisation: fall back on waiting
-                log.info("could not probe the nodes' raylets (%s); waiting for the ranks instead", e)
-                gone = set()
-            self._gone |= gone
-            left = [ref for ref in left if self._node_of(by_ref[ref]) not in gone]
-        if left:
-            ready, _ = ray.wait(left, num_returns=len(left), timeout=max(0.0, deadline - time.monotonic()))
+        by_ref = {ref: r for r, ref in self._refs.items()}
+        probes = iter(_PROBE_EVERY_S)
+        gap = next(probes)
+        probe_at = time.monotonic() + gap if self._unreachable is not None else float("inf")
+        while left:
+            now = time.monotonic()
+            if now >= probe_at:
+                try:
+                    gone = self._unreachable({self._node_of(by_ref[ref]) for ref in left})
+                except Exception as e:  # noqa: BLE001 - an optimisation: fall back on waiting
+                    log.info("could not probe the nodes' raylets (%s); waiting for the ranks instead", e)
+                    gone, probe_at = set(), float("inf")
+                else:
+                    gap = next(probes, gap)
+                    probe_at = time.monotonic() + gap
+                self._gone |= gone
+                left = [ref for ref in left if self._node_of(by_ref[ref]) not in gone]
+                if not left:
+                    break
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            ready, left = ray.wait(left, num_returns=len(left), timeout=max(0.0, min(deadline, probe_at) - now))
             self._collect(ready)
 
     def _wait_live_saves(self, pending: list[int]) -> None:

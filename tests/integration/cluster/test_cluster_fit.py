@@ -1334,3 +1334,47 @@ def test_standbys_and_new_spares_prepare_at_the_lowest_priority_and_return_to_th
         ray.kill(standby)
     finally:
         backend.close()
+
+
+def test_a_drained_node_that_returns_has_its_standby_activated_at_once_once_its_old_actor_is_gone(
+        fake_cluster, tmp_path):
+    """The failure injector's simulated preemption drains a node (its checkpoint actor killed)
+    and returns it, in the experiment in the same instant. ``RayBackend.undrain`` activates the
+    node's standby right then, without waiting for it, so that the recovery's ``holdings`` finds
+    an actor ready instead of activating one on its critical path (~20 ms: opening the tiers,
+    sweeping the local disk). The activation opens the tiers only once the killed actor is gone
+    (its memory directory is removed, not left to a process still writing there); the next
+    ``_ensure_actors`` takes the activated standby as the node's actor. Real actors."""
+    from cfdist.cluster.config import FitConfig
+    from cfdist.cluster.node_actor import memory_root
+    from cfdist.cluster.ray_backend import RayBackend
+
+    fake_cluster.ensure_workers(2)
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", run_name="undrain", num_nodes=2, warm_spares=True)
+    backend = RayBackend(cfg, run_id="undrain", train_fn=None, policy=None)
+    try:
+        node = backend.usable_nodes()[0]
+        nid = node.node_id
+        backend._ensure_actors([node])
+        old_pid = backend.tiers[nid]["pid"]
+        old_mem = os.path.join(memory_root("undrain"), f"{nid[:16]}-{old_pid}")
+        assert os.path.isdir(old_mem)
+        ray.get(backend._start_standby(node), timeout=120)
+        standby = backend._standby[nid]
+        backend.drain(nid)
+        assert nid in backend.excluded and nid not in backend.actors
+        assert nid not in [n.node_id for n in backend.usable_nodes()]
+        backend.undrain(nid)
+        assert nid not in backend.excluded and nid in [n.node_id for n in backend.usable_nodes()]
+        assert nid not in backend._standby and backend._activating[nid][0] is standby, \
+            "the returned node's standby was not activated at its return"
+        tiers = ray.get(backend._activating[nid][1], timeout=60)
+        assert tiers["pid"] != old_pid and tiers["memory"], tiers
+        assert not os.path.exists(old_mem), "the killed actor's memory tier was left behind"
+        backend._ensure_actors([node])
+        assert backend.actors[nid] is standby and backend.tiers[nid] == tiers and nid not in backend._activating
+        (h,) = [h for h in backend.holdings() if h.node_id == nid]
+        assert h.memory == () and h.local == ()
+    finally:
+        backend.close()
+

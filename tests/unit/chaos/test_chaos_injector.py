@@ -51,6 +51,10 @@ class Backend:
         self.tiers.pop(node_id, None)
         ray.kill(self.actors.pop(node_id), no_restart=True)
 
+    def undrain(self, node_id):   # RayBackend.undrain's bookkeeping (its standby's activation: tests/integration/cluster)
+        self.excluded.discard(node_id)
+        self.dead.discard(node_id)
+
 
 class Controller:
     """The injector's view of the controller; notices are recorded (what the job does with

@@ -45,6 +45,10 @@ class Backend:
         if actor is not None:
             ray.kill(actor, no_restart=True)
 
+    def undrain(self, node_id):   # RayBackend.undrain's bookkeeping (its standby's activation: tests/integration/cluster)
+        self.excluded.discard(node_id)
+        self.dead.discard(node_id)
+
 
 class Ctl:
     def __init__(self, clock):

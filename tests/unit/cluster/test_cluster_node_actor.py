@@ -9,6 +9,8 @@ import concurrent.futures as cf
 import functools
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -360,3 +362,37 @@ def test_a_peer_asked_for_a_step_its_rank_has_not_submitted_yet_answers_once_it_
     assert time.monotonic() - t0 < 10, "waited for a step the attempt had gone past"
     ck.close()
     ex.shutdown()
+
+
+def test_an_activation_sweeps_nothing_before_the_nodes_killed_actor_is_gone(tmp_path, monkeypatch):
+    """A drained node's actor is killed and, when the node returns, its standby is activated at
+    once (``RayBackend.undrain``): Ray's kill may not have landed yet. The activation
+    (``after_pids``) opens and sweeps the node's tiers only once that process is gone: a step
+    directory it was writing (no manifest yet) stays while it lives, and is swept once it is
+    killed. (The predecessor is a plain child process here; killed, not reaped: a zombie's
+    files are closed, so it counts as gone.)"""
+    from cfdist.checkpoint.format import step_dir
+    from cfdist.cluster import node_actor
+
+    monkeypatch.setattr(node_actor.niceness, "can_renice", lambda to: False)   # the test process keeps its priority
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", run_name="r")
+    standby = NodeCheckpointer(config=cfg, run_id=f"unit-{uuid.uuid4().hex[:8]}", node_id="A" * 20,
+                               node_name="a", standby=True)
+    leftover = tmp_path / "a" / "r" / step_dir(5) / "shard-0.bin"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"half a step")
+    predecessor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        out = []
+        t = threading.Thread(target=lambda: out.append(standby.activate(after_pids=[predecessor.pid])))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and leftover.exists(), "the activation did not wait for the node's previous actor"
+        predecessor.kill()
+        t.join(30)
+        assert not t.is_alive(), "the activation did not return once the previous actor was gone"
+        assert out[0]["local"] == cfg.local_urls("a") and not leftover.parent.exists()
+    finally:
+        predecessor.kill()
+        predecessor.wait()
+        standby.close()

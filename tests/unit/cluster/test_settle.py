@@ -1,0 +1,105 @@
+"""``RayWorkerGroup._settle``: after a first error, the other ranks' outcomes are waited for,
+except those of a node whose raylet is gone (Ray reports such ranks dead only after its health
+checks, seconds later). The nodes are probed at once, then again at growing intervals.
+
+Ray and the clock are faked here (``ray.wait``/``ray.get`` and ``time.monotonic`` of the group's
+module): the waits the group asks for are recorded and the clock moves by them, so the probe
+schedule is checked exactly, without timing anything. The real path (a fake node killed under a
+running group) runs in ``tests/integration/cluster/test_cluster_fit.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from cfdist.cluster import worker_group
+from cfdist.cluster.config import FitConfig
+from cfdist.cluster.nodes import NodeInfo
+from cfdist.cluster.worker_group import _PROBE_EVERY_S, _SETTLE_S, RayWorkerGroup
+
+
+class World:
+    """Two ranks, one per node; rank ``r``'s outcome is the ref ``"r<r>"``."""
+
+    def __init__(self, monkeypatch, *, answers: dict[str, float], gone_from: dict[str, int]):
+        self.now = 0.0
+        self.answers = answers          # ref -> when its outcome arrives (absent: never)
+        self.gone_from = gone_from      # node id -> the probe (1-based) from which it is gone
+        self.waits: list[float] = []
+        self.probes: list[tuple[float, frozenset]] = []
+        self.broken = False
+        monkeypatch.setattr(worker_group, "time", SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(worker_group.ray, "wait", self.wait)
+        monkeypatch.setattr(worker_group.ray, "get", lambda ref: {"rank": ref})
+        g = object.__new__(RayWorkerGroup)
+        g.config = FitConfig(storage=("file:///tmp/x",), num_nodes=2, progress=False)
+        g.nodes = [NodeInfo("n0", "n0", "a", 1.0, 0), NodeInfo("n1", "n1", "a", 1.0, 0)]
+        g._refs = {0: "r0", 1: "r1"}
+        g._results, g._errors, g._hung, g._gone = {}, [], {}, set()
+        g._unreachable = self.unreachable
+        self.group = g
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        self.waits.append(round(timeout, 6))
+        due = [self.answers[r] for r in refs if r in self.answers]
+        # the clock moves to the first outcome within the timeout, else by the whole timeout
+        first = min([t for t in due if t <= self.now + timeout], default=None)
+        self.now = first if first is not None else self.now + timeout
+        ready = [r for r in refs if self.answers.get(r, float("inf")) <= self.now]
+        return ready, [r for r in refs if r not in ready]
+
+    def unreachable(self, node_ids):
+        if self.broken:
+            raise ConnectionError("GCS unreachable")
+        self.probes.append((round(self.now, 6), frozenset(node_ids)))
+        n = len(self.probes)
+        return {nid for nid in node_ids if nid in self.gone_from and n >= self.gone_from[nid]}
+
+
+def test_a_lost_nodes_rank_is_given_up_once_a_probe_finds_its_raylet_gone_the_first_probe_at_once(monkeypatch):
+    """Rank 0's collective failed (its peer's node was killed); rank 1's node still accepts
+    connections at the first two probes (its raylet outlived its workers by a moment), refuses
+    at the third. The first probe comes before any wait; the next two after the schedule's gaps;
+    the node is then given up, long before ``_SETTLE_S``."""
+    w = World(monkeypatch, answers={}, gone_from={"n1": 3})
+    w.group._settle(["r1"])
+    assert w.probes == [(0.0, frozenset({"n1"})), (_PROBE_EVERY_S[1], frozenset({"n1"})),
+                        (round(_PROBE_EVERY_S[1] + _PROBE_EVERY_S[2], 6), frozenset({"n1"}))], w.probes
+    assert w.waits == [_PROBE_EVERY_S[1], _PROBE_EVERY_S[2]], w.waits
+    assert w.group._gone == {"n1"} and not w.group._results
+
+
+def test_a_survivors_outcome_that_arrives_ends_the_wait_and_the_probes(monkeypatch):
+    """A crashed rank (its node alive): the survivor's collective fails 25 ms later. The probes
+    find its node reachable; the wait ends when its outcome arrives, with no probe after it."""
+    w = World(monkeypatch, answers={"r1": 0.025}, gone_from={})
+    w.group._settle(["r1"])
+    assert w.now == pytest.approx(0.025)
+    assert w.group._results == {1: {"rank": "r1"}} and not w.group._gone
+    assert [t for t, _ in w.probes] == [0.0, _PROBE_EVERY_S[1]], w.probes
+
+
+def test_probes_slow_down_to_the_schedules_last_gap_and_the_wait_ends_at_the_deadline(monkeypatch):
+    """A rank that never answers on a node that stays reachable (hung in a long step): probed
+    at the schedule's gaps, then at its last gap, until ``_SETTLE_S``; not given up."""
+    w = World(monkeypatch, answers={}, gone_from={})
+    w.group._settle(["r1"])
+    assert w.now == pytest.approx(_SETTLE_S)
+    gaps = [round(b - a, 6) for (a, _), (b, _) in zip(w.probes, w.probes[1:])]
+    k = len(_PROBE_EVERY_S) - 1
+    assert gaps[:k] == list(_PROBE_EVERY_S[1:]), gaps
+    assert set(gaps[k:]) <= {_PROBE_EVERY_S[-1]}, gaps
+    assert not w.group._gone and not w.group._results
+
+
+def test_a_probe_that_fails_falls_back_on_waiting_for_the_ranks(monkeypatch, caplog):
+    """The probe is an optimisation: when it raises, it is logged and not tried again, and the
+    outcomes are waited for until ``_SETTLE_S``."""
+    w = World(monkeypatch, answers={"r1": 0.4}, gone_from={})
+    w.broken = True
+    with caplog.at_level("INFO", logger="cfdist.group"):
+        w.group._settle(["r1"])
+    assert w.waits == [_SETTLE_S] and w.now == pytest.approx(0.4)
+    assert w.group._results == {1: {"rank": "r1"}}
+    assert "could not probe the nodes' raylets (GCS unreachable)" in caplog.text
