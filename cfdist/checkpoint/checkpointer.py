@@ -475,6 +475,9 @@ class Checkpointer:
         took = self._agreed_decision(epoch_end)
         if took:
             stall += self._begin(epoch_end)
+        elif self._prefault_due:
+            self._prefault_arenas()
+        self._prefault_due = False
         now = time.perf_counter()
         iter_s = now - self._last_return if self._last_return is not None else now - t_enter
         self._last_return = now
@@ -787,8 +790,7 @@ class Checkpointer:
         self._try_submit()
         slot = self._free_arenas()   # waits only while every arena set is held by a persist
         self._harvest()
-        early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
-        skeleton, tensors = flatten(early)
+        skeleton, tensors = self._capture_early()
         if self._chains:
             self._count_references(tensors)
         self._pending = {"step": self._step, "epoch": self._epoch(), "epoch_end": epoch_end,
@@ -811,15 +813,42 @@ class Checkpointer:
         if self.writer:
             mode = self._policy.mode
             self._snap.select(slot)
-            first = st.mutable_in_forward(self.state, tensors)
-            if self._slicer is not None:   # this rank's slice only: whole tensors and pieces
-                tensors, first = self._slicer.select(tensors, first)
+            tensors, first = self._written(tensors)
             self._snap.start(tensors, mode=mode if mode in ("cpu", "gpu") else "cpu", first=first)
             self._pending["tensors"] = tensors
             if self._snap.host_memory is None:   # budgeted: streamed, submitted at the boundary
                 self._snap_host_future = self._snap._pool.submit(self._snap.stage_to_host)
                 self._snap_host_future.add_done_callback(lambda f: self._try_submit())
         return time.perf_counter() - t0
+
+    def _capture_early(self) -> tuple:
+        """``(skeleton, tensors)`` of the state captured at the boundary (everything but the
+        small state captured later): live references, nothing copied."""
+        early = {k: st.capture(o) for k, o in self.state.items() if self._kinds[k] == st.EARLY}
+        return flatten(early)
+
+    def _written(self, tensors: dict) -> tuple[dict, set]:
+        """Of the captured ``tensors``, those this writer snapshots (its slice under
+        ``writers=``), and which of them the next forward mutates (copied before ``step``
+        returns)."""
+        first = st.mutable_in_forward(self.state, tensors)
+        if self._slicer is not None:   # this rank's slice only: whole tensors and pieces
+            tensors, first = self._slicer.select(tensors, first)
+        return tensors, first
+
+    _prefault_due = True
+
+    def _prefault_arenas(self) -> None:
+        """After the first step of this checkpointer that is not a checkpoint (the optimizer's
+        state exists by then, so the layout is the one its snapshots will have): the arenas of
+        the first snapshot are made and written now, on an idle helper thread
+        (:meth:`Snapshotter.prefault`), not by that snapshot on the training thread. A process
+        that restarts training (a recovery, a spare taking a rank's role) otherwise pays a page
+        fault per page at its first checkpoint."""
+        if not self.writer or self._snap.host_memory is not None:
+            return
+        _, tensors = self._capture_early()
+        self._snap.prefault(self._written(tensors)[0])
 
     def _free_arenas(self) -> int:
         """An arena set no persist reads (the one to snapshot into), waiting for the oldest

@@ -45,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from cfdist.checkpoint import idle
 from cfdist.checkpoint import chunks as chunking
 from cfdist.checkpoint.format import TensorEntry
 from cfdist.storage.direct import ALIGN
@@ -52,6 +53,10 @@ from cfdist.storage.direct import ALIGN
 log = logging.getLogger("cfdist.snapshot")
 
 _SHM_DIR = "/dev/shm"
+
+PREFAULT_CHUNK = 1 << 20
+""":meth:`Snapshotter.prefault` writes the arenas this many bytes at a time, and a snapshot that
+needs them stops it between two such writes (the rest it writes itself: no wait on an idle thread)."""
 
 
 def plan_layout(tensors: dict[str, torch.Tensor], n_shards: int) -> list[list[TensorEntry]]:
@@ -203,6 +208,9 @@ class Snapshotter:
         """Copies finished and collected so far (each one's duration is ``last_copy_s``)."""
         self.gpu_refused = 0
         """GPU snapshots asked for that went to host memory: the device had no room for them."""
+        self._prefault: tuple[threading.Event, Future] | None = None   # (stop, done) of prefault()
+        self.prefaulted = 0
+        """Bytes of host arenas :meth:`prefault` wrote ahead of their first snapshot."""
 
     @property
     def nbytes(self) -> int:
@@ -221,6 +229,7 @@ class Snapshotter:
         """Copy the next snapshot into arena set ``slot`` (no persist may be reading it)."""
         if not 0 <= slot < self.buffers:
             raise ValueError(f"arena set {slot} does not exist (buffers={self.buffers})")
+        self._join_prefault()
         self.wait_copied()
         if slot != self.slot:
             self._stash[self.slot] = (self._sig, self.layout, self.host)
@@ -250,20 +259,88 @@ class Snapshotter:
                     "snapshotting to host memory instead", nbytes, dev, free, total, 100 * self.gpu_headroom)
                 self.gpu_refused += 1
                 want_gpu = False
-        if sig != self._sig:   # this set's arenas: (re)planned only for a new layout
-            for a in self.host:
-                a.close()
-            self.layout = plan_layout(tensors, self.n_shards)
-            pin = torch.cuda.is_available() and not self.shared
-            self.host = [Arena(sum(e.nbytes for e in es), shared=self.shared, pin=pin, shm_dir=self.shm_dir)
-                         for es in self.layout]
-            self._sig = sig
+        self._plan_host(tensors, sig)
         if want_gpu != bool(self.gpu) or (want_gpu and self._gpu_sig != sig):
             for a in self.gpu:
                 a.close()
             self.gpu = [Arena(sum(e.nbytes for e in es), device=dev) for es in self.layout] if want_gpu else []
             self._gpu_sig = sig if want_gpu else None
         return want_gpu
+
+    def _plan_host(self, tensors: dict[str, torch.Tensor], sig: tuple) -> None:
+        """This set's host arenas for ``tensors`` (layout signature ``sig``): (re)planned only
+        for a new layout."""
+        if sig == self._sig:
+            return
+        for a in self.host:
+            a.close()
+        self.layout = plan_layout(tensors, self.n_shards)
+        pin = torch.cuda.is_available() and not self.shared
+        self.host = [Arena(sum(e.nbytes for e in es), shared=self.shared, pin=pin, shm_dir=self.shm_dir)
+                     for es in self.layout]
+        self._sig = sig
+
+    def prefault(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Make the current set's host arenas for ``tensors`` now, ahead of the snapshot that
+        needs them, and write each of their pages once: on a helper thread under ``SCHED_IDLE``
+        (:func:`cfdist.checkpoint.idle.idle_thread`), so the training beside it keeps its cores.
+
+        A fresh arena costs its first snapshot a page fault per page, on the training thread
+        for the tensors copied before :meth:`start` returns (module buffers: a 16 MiB buffer
+        into a fresh ``/dev/shm`` arena takes ~10 ms there, ~1 ms into one written before).
+        A process that restarts training (a recovery, a spare taking a rank's role) pays it
+        at its first checkpoint; this moves it off the critical path.
+
+        Returns whether it started (not under a host-memory budget, nor when the current set
+        has arenas already, nor while one runs). The next call that uses the
+        arenas (:meth:`start`, :meth:`select`, :meth:`retire_host_arenas`, :meth:`close`)
+        stops it between two writes and takes the arenas as they are: the copy writes what it
+        left. Call from the training thread."""
+        sig = layout_signature(tensors)
+        if self.host_memory is not None or self._prefault is not None or self.host:
+            return False
+        stop, done = threading.Event(), Future()
+
+        def body() -> None:
+            try:
+                if idle.LINUX:
+                    try:
+                        idle.idle_thread()
+                    except OSError as e:   # lowering oneself is always allowed; should it fail, go on
+                        log.debug("could not lower the arenas' preparation: %s", e)
+                self._plan_host(tensors, sig)
+                for a in self.host:
+                    for off in range(0, a.nbytes, PREFAULT_CHUNK):
+                        if stop.is_set():
+                            break
+                        a.buf[off:off + PREFAULT_CHUNK].zero_()
+                        self.prefaulted += min(PREFAULT_CHUNK, a.nbytes - off)
+                done.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread (_join_prefault)
+                done.set_exception(e)
+
+        self._prefault = (stop, done)
+        threading.Thread(target=body, name="cfdist-prefault", daemon=True).start()
+        return True
+
+    def _join_prefault(self) -> None:
+        """Stop a :meth:`prefault` still writing and wait for it (one chunk at most). One that
+        failed (e.g. ``/dev/shm`` full) is logged and forgotten: the snapshot makes its arenas
+        itself, and raises there if it cannot."""
+        if self._prefault is None:
+            return
+        stop, done = self._prefault
+        stop.set()
+        try:
+            done.result()
+        except Exception as e:  # noqa: BLE001 - logged; the snapshot allocates (and reports) itself
+            log.warning("making the snapshot arenas ahead failed (%s: %s); the next snapshot makes them",
+                        type(e).__name__, e)
+            for a in self.host:
+                a.close()
+            self.host, self._sig, self.layout = [], None, None
+        finally:
+            self._prefault = None
 
     def _stream(self, device: torch.device):
         """This snapshotter's copy stream on ``device`` (created once; never the default stream)."""
@@ -353,6 +430,7 @@ class Snapshotter:
         waits for the training stream's optimizer step, and the training stream waits for the
         copy of ``first`` before its next kernel; the host blocks for neither.
         """
+        self._join_prefault()
         self.wait_copied()
         if self.host_memory is not None:
             self._start_streaming(tensors, set(first))
@@ -457,6 +535,7 @@ class Snapshotter:
             for st_ in self.arenas(self.slot if slot is None else slot)[1]:
                 st_.close(hung=True)
             return
+        self._join_prefault()
         self.wait_copied()
         if slot is None or slot == self.slot:
             self._sig = None
@@ -464,6 +543,7 @@ class Snapshotter:
             self._stash[slot] = (None,) + tuple(self._stash[slot][1:])
 
     def close_arenas(self) -> None:
+        self._join_prefault()
         for a in self.host + self.gpu + [a for _, _, host in self._stash for a in host]:
             a.close()
         for pool in self._old_pools + ([self.pool] if self.pool is not None else []):

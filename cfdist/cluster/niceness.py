@@ -49,12 +49,12 @@ import shutil
 import sys
 import threading
 
+from cfdist.checkpoint.idle import LINUX as _LINUX, LOWEST_NICE, idle_thread
+
 log = logging.getLogger("cfdist.niceness")
 
-PREPARE_NICE = 19
+PREPARE_NICE = LOWEST_NICE
 """The nice value of a preparation (the lowest priority)."""
-
-_LINUX = sys.platform.startswith("linux")
 
 
 def _tid_nice(tid: int) -> int:
@@ -126,15 +126,6 @@ def on_thread(fn, *args, name: str = "cfdist-background"):
     return out["value"]
 
 
-def _idle(tid: int = 0) -> None:
-    """Thread ``tid`` (0: the calling one) under ``SCHED_IDLE``; at nice 19 where that fails."""
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except (OSError, AttributeError) as e:
-        log.debug("no SCHED_IDLE for thread %s (%s): nice %d instead", tid, e, PREPARE_NICE)
-        os.setpriority(os.PRIO_PROCESS, tid, PREPARE_NICE)
-
-
 def run_at_background(fn, *args):
     """``fn(*args)`` on a helper thread under ``SCHED_IDLE`` (threads it starts inherit it): the
     calling thread's priority is untouched. Returns ``fn``'s value; its exception propagates."""
@@ -143,7 +134,7 @@ def run_at_background(fn, *args):
 
     def lowered():
         try:
-            _idle()
+            idle_thread()
         except OSError as e:   # lowering oneself is always allowed; should it fail, run anyway
             log.debug("could not lower the warm-up's priority: %s", e)
         return fn(*args)
@@ -158,7 +149,7 @@ def background() -> None:
         return
     for tid in _tids():
         try:
-            _idle(tid)
+            idle_thread(tid)
         except ProcessLookupError:   # the thread ended meanwhile
             continue
         except OSError as e:
