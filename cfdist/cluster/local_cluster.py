@@ -182,13 +182,17 @@ def add_worker_node(cluster, **node_args):
     worker they start run at the workers' niceness, so that one node's start-up competes with
     another node's ranks as an equal. The node is started on a thread of its own (the nice
     value of a Linux thread is inherited by the processes it starts; raising it needs no
-    privilege, and this process's other threads keep theirs).
+    privilege, and this process's other threads keep theirs). A preparation's setup (the
+    script Ray runs before a worker with a ``runtime_env``) runs under ``SCHED_IDLE`` from its
+    start (:data:`IDLE_SETUP_WORKER`), as the worker it starts does.
 
     Ray's ``Node`` registers a SIGTERM handler and an atexit hook when it is to shut down with
     this process, and Python lets only the main thread set signal handlers: a worker node starts
     without them (``Cluster._shutdown_at_exit``, Ray's own switch for it). The cluster's
     ``shutdown()`` still stops it (``LocalCluster.close``); should this process die first, its
     raylet exits once it loses the head node's GCS (whose own hook stops it at exit)."""
+    node_args.setdefault("setup_worker_path", IDLE_SETUP_WORKER)
+
     def start():
         _nice_this_thread(_worker_niceness())
         with _ADD_LOCK:
@@ -210,6 +214,10 @@ def add_worker_node(cluster, **node_args):
 
 
 _NICENESS = "RAY_worker_niceness"
+
+IDLE_SETUP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "idle_setup_worker.py")
+"""The setup script of the simulated nodes' workers: Ray's, run under ``SCHED_IDLE`` from its
+first instruction for a preparation (:mod:`cfdist.cluster.idle_setup_worker`)."""
 
 
 def _worker_niceness() -> int:
