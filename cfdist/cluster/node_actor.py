@@ -200,11 +200,13 @@ class NodeCheckpointer:
     ``standby=True``: a process started ahead (modules imported) that touches no tier until
     :meth:`activate`, so it can wait beside the node's live actor; the driver activates it when
     that actor dies (a preemption drained the node, the actor crashed) instead of waiting for a
-    new process to start (2-3 s on a laptop).
+    new process to start (2-3 s on a laptop). ``after_pids``: see :meth:`activate` (an actor
+    that is not a standby activates in its constructor).
     """
 
     def __init__(self, *, config: FitConfig, run_id: str, node_id: str, node_name: str,
-                 notices: str | None = None, standby: bool = False, role_nice: int | None = None):
+                 notices: str | None = None, standby: bool = False, role_nice: int | None = None,
+                 after_pids: list[int] = ()):
         stderr_to_file(config.log_dir, f"node-actor-{node_name}")   # see cfdist.cluster.proc_log
         self._args = (run_id, notices)
         self.config = config
@@ -247,7 +249,7 @@ class NodeCheckpointer:
         if standby and self._renice:
             niceness.background()   # idle until activated: the ranks beside it keep the cores
         if not standby:
-            self.activate()
+            self.activate(after_pids)
 
     def activate(self, after_pids: list[int] = ()) -> dict:
         """Open this node's tiers (a fresh, empty memory tier; the local disk swept of

@@ -111,7 +111,8 @@ class RayBackend:
     def _spawn(self, n: NodeInfo, *, standby: bool = False, low: bool = True):
         """A checkpoint actor on ``n``; a standby starts at the lowest priority (a preparation:
         :mod:`cfdist.cluster.niceness`; ``low=False``: like any worker) and returns to the node's
-        workers' when activated."""
+        workers' when activated. One that is not a standby activates at once, after the actor
+        :meth:`drain` last killed there is gone (:meth:`_after_kill`)."""
         here = self.tiers.get(n.node_id, {})
         low = standby and low
         role_nice = here.get("nice") if low else None
@@ -120,8 +121,14 @@ class RayBackend:
             scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
             **(niceness.prepared_options(here) if low else {}),
         ).remote(config=self.config, run_id=self.run_id, node_id=n.node_id, node_name=n.name, notices=n.notices,
-                 standby=standby, role_nice=role_nice)
+                 standby=standby, role_nice=role_nice, after_pids=[] if standby else self._after_kill(n.node_id))
         return actor, actor.ready.remote()
+
+    def _after_kill(self, node_id: str) -> list[int]:
+        """The pid of the checkpoint actor :meth:`drain` killed on ``node_id`` (the kill may not
+        have landed), for the next activation there to wait for; once."""
+        pid = self._killed_pids.pop(node_id, None)
+        return [pid] if pid else []
 
     def _successor(self, n: NodeInfo) -> tuple:
         """``(actor, ready ref, is the standby)`` for a node without a live actor: one started
@@ -133,8 +140,7 @@ class RayBackend:
             return (*self._warming.pop(n.node_id), False)
         standby = self._standby.pop(n.node_id, None)
         if standby is not None:
-            pid = self._killed_pids.pop(n.node_id, None)
-            return standby, standby.activate.remote(after_pids=[pid] if pid else []), True
+            return standby, standby.activate.remote(after_pids=self._after_kill(n.node_id)), True
         return (*self._spawn(n), False)
 
     def _refill_standby(self, nodes: list[NodeInfo]) -> None:
@@ -289,6 +295,9 @@ class RayBackend:
         self.excluded.add(node_id)
         actor = self.actors.pop(node_id, None)
         pid = self.tiers.pop(node_id, {}).get("pid")
+        if actor is None and node_id in self._activating:   # activated at a return, taken by no group yet
+            actor, ref = self._activating.pop(node_id)
+            pid = self._activated_pid(ref)
         if actor is not None:
             ray.kill(actor, no_restart=True)
             if pid:
@@ -306,14 +315,26 @@ class RayBackend:
         standby checkpoint actor, if it has one, is activated now (non-blocking): the recovery
         that follows reads the answer instead of waiting ~20 ms for the activation (opening the
         tiers, sweeping the local disk) on its critical path (:meth:`_successor`). The actor
-        :meth:`drain` killed may not be gone yet: the activation leaves a directory of a
-        process still alive alone (``NodeCheckpointer.activate``)."""
+        :meth:`drain` killed may not be gone yet: the activation first waits for its process to
+        be (``NodeCheckpointer.activate``'s ``after_pids``). Drained again before a group took
+        it, the activated standby is killed as the node's actor would be."""
         self.excluded.discard(node_id)
         self.dead.discard(node_id)
         standby = self._standby.pop(node_id, None) if node_id not in self.actors else None
         if standby is not None:
-            pid = self._killed_pids.pop(node_id, None)
-            self._activating[node_id] = (standby, standby.activate.remote(after_pids=[pid] if pid else []))
+            self._activating[node_id] = (standby, standby.activate.remote(after_pids=self._after_kill(node_id)))
+
+    @staticmethod
+    def _activated_pid(ref) -> int | None:
+        """The pid an activation answered with, if it has answered (None: not yet, or failed)."""
+        ready, _ = ray.wait([ref], num_returns=1, timeout=0)
+        if not ready:
+            _read_in_background([ref])
+            return None
+        try:
+            return ray.get(ref).get("pid")
+        except ray.exceptions.RayError:
+            return None
 
     # ---- warm spare ranks ------------------------------------------------------------------------
     def _refill_spares(self, nodes: list[NodeInfo], *, warm: bool = True) -> None:

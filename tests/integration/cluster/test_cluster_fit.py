@@ -1344,7 +1344,9 @@ def test_a_drained_node_that_returns_has_its_standby_activated_at_once_once_its_
     an actor ready instead of activating one on its critical path (~20 ms: opening the tiers,
     sweeping the local disk). The activation opens the tiers only once the killed actor is gone
     (its memory directory is removed, not left to a process still writing there); the next
-    ``_ensure_actors`` takes the activated standby as the node's actor. Real actors."""
+    ``_ensure_actors`` takes the activated standby as the node's actor. Drained again before a
+    group took it, the activated standby is killed like the node's actor, and a fresh one
+    serves the node at its next return. Real actors."""
     from cfdist.cluster.config import FitConfig
     from cfdist.cluster.node_actor import memory_root
     from cfdist.cluster.ray_backend import RayBackend
@@ -1375,6 +1377,23 @@ def test_a_drained_node_that_returns_has_its_standby_activated_at_once_once_its_
         assert backend.actors[nid] is standby and backend.tiers[nid] == tiers and nid not in backend._activating
         (h,) = [h for h in backend.holdings() if h.node_id == nid]
         assert h.memory == () and h.local == ()
+
+        # drained again before any group took the activated standby: it is killed as the
+        # node's actor would be, and the node's next actor is a fresh one
+        ray.get(backend._start_standby(node), timeout=120)
+        second = backend._standby[nid]
+        backend.drain(nid)
+        backend.undrain(nid)
+        _, ref = backend._activating[nid]
+        spid = ray.get(ref, timeout=60)["pid"]
+        backend.drain(nid)
+        assert nid not in backend._activating and nid not in backend.actors
+        assert backend._killed_pids[nid] == spid, "the killed standby's process would not be waited for"
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(second.ready.remote(), timeout=60)
+        backend.undrain(nid)
+        backend._ensure_actors([node])   # no standby left: a new actor, activated after spid is gone
+        assert backend.tiers[nid]["pid"] not in (old_pid, tiers["pid"], spid) and nid not in backend._killed_pids
     finally:
         backend.close()
 
