@@ -216,12 +216,13 @@ def test_fit_under_a_host_memory_budget_streams_into_the_node_tiers_and_recovers
         fake_cluster, reference, tmp_path):
     """``ctx.checkpointer(..., host_memory=0.5)``: each writer rank streams its snapshots through
     a shared chunk pool into its node actor, which writes the memory tier from the windows and
-    the local tier from the memory tier's files. Rank 1 is killed at step 10; the next group
-    restores from the memory tiers. Final parameters equal the reference, every local-tier
+    the local tier from the memory tier's files. Rank 1 SIGKILLs itself in step 10's forward
+    (from inside, so the kill cannot land after the run's end on a loaded machine); the next
+    group restores from the survivor. Final parameters equal the reference, every local-tier
     checkpoint loads (checksums verified) and no chunk pool file is left in /dev/shm."""
     fake_cluster.ensure_workers(2)
     result, out = _fit(fake_cluster, tmp_path, "budget", ckpt_kwargs={"host_memory": 0.5},
-                       schedule=StepSchedule([AtStep(step=10, kind="crash", rank=1)]))
+                       kill_in=(1, 10, "forward"))
     assert result.failures == 1 and result.final_step == STEPS
     (f,) = result.failure_stats
     assert f.tier == "live" and f.lost_iterations <= 1, f
