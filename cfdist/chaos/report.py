@@ -316,14 +316,32 @@ def baseline_goodputs(results: Sequence[ExperimentResult]) -> tuple[float, ...]:
     return tuple(res.baseline.goodput for res in results if res.baseline is not None)
 
 
+def ideal_iterations(results: Sequence[ExperimentResult]) -> tuple[float, ...]:
+    """Each repetition's ideal iteration time (seconds: its failure-free run's median step),
+    of the repetitions that ran one."""
+    return tuple(res.iter_s for res in results if res.baseline is not None)
+
+
+def _ideal_text(iters: Sequence[float]) -> str:
+    """How far the repetitions' yardsticks lie apart: a repetition's goodput moves with its
+    failure-free run's median step as much as with anything the policy did."""
+    mid = _median(iters)
+    half = (max(iters) - min(iters)) / 2 / mid * 100 if mid else 0.0
+    return (f"Each repetition's ideal iteration time (its failure-free run's median step): "
+            f"{min(iters) * 1e3:.2f} - {max(iters) * 1e3:.2f} ms (median {mid * 1e3:.2f} ms, +-{half:.1f} %): "
+            f"a repetition's goodput moves with its yardstick by as much, whatever the policy did.")
+
+
 def _baseline_range(goodputs: Sequence[float]) -> str:
     return (f"median {_median(goodputs):.3f} ({min(goodputs):.3f} - {max(goodputs):.3f}; "
             f"{', '.join(f'{g:.3f}' for g in goodputs)})")
 
 
-def repeats_markdown(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = ()) -> str:
+def repeats_markdown(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = (),
+                     iters: Sequence[float] = ()) -> str:
     """The repetitions' table: goodput median and range, k per repetition, pooled failures;
-    ``baseline``: the failure-free runs' own goodputs (:func:`baseline_goodputs`), for comparison."""
+    ``baseline``: the failure-free runs' own goodputs (:func:`baseline_goodputs`), for comparison;
+    ``iters``: each repetition's ideal iteration time (:func:`ideal_iterations`), the yardstick's spread."""
     n = len(rows[0].goodputs) if rows else 0
     lines = [f"Over {n} repetitions of the same experiment (each against its own failure-free run):", "",
              "| policy | goodput median | min - max | each repetition | k per repetition | failures "
@@ -338,6 +356,8 @@ def repeats_markdown(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] =
                      f"{each} | {ks} | {r.failures} | {lost} | {rec} |")
     if baseline:
         lines += ["", f"The failure-free runs by the same measure: {_baseline_range(baseline)} ({_YARDSTICK})."]
+    if len(iters) > 1:
+        lines += ["", _ideal_text(iters)]
     return "\n".join(lines) + "\n"
 
 
@@ -346,12 +366,14 @@ def write_repeats(results: Sequence[ExperimentResult], out_dir: str) -> dict[str
     directory) into ``out_dir``; returns ``{name: path}``."""
     rows = repeated(results)
     base = baseline_goodputs(results)
+    iters = ideal_iterations(results)
     os.makedirs(out_dir, exist_ok=True)
     files = {name: os.path.join(out_dir, name) for name in ("repeats.md", "repeats.json")}
     with open(files["repeats.md"], "w", encoding="utf-8") as f:
-        f.write(repeats_markdown(rows, base))
+        f.write(repeats_markdown(rows, base, iters))
     data = {"repetitions": [res.files.get("results.json") for res in results],
             "baseline_goodputs": [_round(g) for g in base],
+            "ideal_iteration_s": [_round(x, 6) for x in iters],
             "policies": [{"policy": r.policy, "goodput_median": _round(r.goodput_median),
                           "goodputs": [_round(g) for g in r.goodputs], "ks": list(r.ks), "failures": r.failures,
                           "lost_iters": list(r.lost_iters), "recovery_s_median": _round(r.recovery_s_median),
@@ -361,12 +383,15 @@ def write_repeats(results: Sequence[ExperimentResult], out_dir: str) -> dict[str
     return files
 
 
-def repeat_lines(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = ()) -> list[str]:
+def repeat_lines(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = (),
+                 iters: Sequence[float] = ()) -> list[str]:
     """One console line per policy over the repetitions; with ``baseline`` (the failure-free
-    runs' own goodputs), first a line for them."""
+    runs' own goodputs), first a line for them; with two or more ``iters``, last the spread of
+    the repetitions' ideal iteration times (:func:`ideal_iterations`)."""
     first = [f"{'no failures':<12} goodput {_baseline_range(baseline)} (the failure-free runs by the same measure)"] \
         if baseline else []
+    last = [_ideal_text(iters)] if len(iters) > 1 else []
     return first + [f"{r.policy:<12} goodput median {r.goodput_median:.3f} ({min(r.goodputs):.3f}-{max(r.goodputs):.3f} "
             f"over {len(r.goodputs)} runs)  failures {r.failures}  lost it. max "
             f"{max(r.lost_iters) if r.lost_iters else '-'}  recovery median "
-            f"{r.recovery_s_median:.2f}s" for r in rows]
+            f"{r.recovery_s_median:.2f}s" for r in rows] + last

@@ -55,7 +55,8 @@ from cfdist.chaos.calibrate import (
 from cfdist.chaos.events import FailureEvent
 from cfdist.chaos.metrics import read_event_log
 from cfdist.chaos.report import (
-    ExperimentResult, PolicyRun, baseline_goodputs, repeat_lines, repeated, summary_lines, write_repeats, write_report,
+    ExperimentResult, PolicyRun, baseline_goodputs, ideal_iterations, repeat_lines, repeated, summary_lines,
+    write_repeats, write_report,
 )
 from cfdist.chaos.schedules import Exponential, FixedInterval, Merged
 from cfdist.chaos.simulator import EpochBoundary, FixedK, SimPolicy
@@ -420,7 +421,7 @@ def run_repeated(config: ExperimentConfig, repeat: int, *,
         results.append(run_experiment(sub, log=log))
     files = write_repeats(results, config.out_dir)
     log(f"over {repeat} repetitions:")
-    for line in repeat_lines(repeated(results), baseline_goodputs(results)):
+    for line in repeat_lines(repeated(results), baseline_goodputs(results), ideal_iterations(results)):
         log(line)
     log(f"wrote {files['repeats.md']} and {files['repeats.json']}")
     return results

@@ -16,7 +16,7 @@ from chaos_eventlog import started
 from cfdist.experiments.experiment import (
     ExperimentConfig, FirstFailures, analyse, build_schedule, make_policy, main, sim_policy,
 )
-from cfdist.chaos.report import markdown, repeated, write_repeats, write_report
+from cfdist.chaos.report import baseline_goodputs, markdown, repeated, write_repeats, write_report
 from cfdist.experiments import experiment as experiment_mod
 from cfdist.chaos.simulator import EpochBoundary, FixedK
 
@@ -201,11 +201,34 @@ def test_repetitions_report_each_policys_median_goodput_and_range_and_pool_the_f
     assert (f"| auto | {auto.goodput_median:.3f} | {min(auto.goodputs):.3f} - {max(auto.goodputs):.3f} | "
             f"{', '.join(f'{g:.3f}' for g in auto.goodputs)} | 4, 4, 4 | 3 | 1 |") in md, md
     assert "The failure-free runs by the same measure" in md and "median 1.000 (1.000 - 1.000; 1.000, 1.000, 1.000)" in md
+    iters = [res.iter_s for res in results]   # the hand-written failure-free runs: the same median step
+    assert (f"ideal iteration time (its failure-free run's median step): {min(iters) * 1e3:.2f} - "
+            f"{max(iters) * 1e3:.2f} ms") in md and "+-0.0 %)" in md, md
     data = json.load(open(files["repeats.json"]))
     assert data["baseline_goodputs"] == [1.0, 1.0, 1.0]
+    assert data["ideal_iteration_s"] == [pytest.approx(x, abs=1e-6) for x in iters]
     assert [p["policy"] for p in data["policies"]] == ["every:5", "auto"]
     assert data["policies"][1]["failures"] == 3 and data["policies"][1]["lost_iters"] == [1, 1, 1]
     assert len(data["repetitions"]) == 3
+
+
+def test_repetitions_report_how_far_their_ideal_iteration_times_lie_apart(tmp_path):
+    """Each repetition's goodput is measured against its own failure-free run's median step; the
+    report says how far those lie apart (43.12-44.14 ms on the development machine in one
+    session: +-1.2 %, as much as a policy change moved the goodput), also on the console."""
+    from cfdist.chaos.report import ideal_iterations, repeat_lines, repeats_markdown
+
+    base = _analysed(tmp_path, 1.0)
+    results = [dataclasses.replace(base, iter_s=x) for x in (0.0440, 0.0431, 0.0436)]
+    assert ideal_iterations(results) == (0.0440, 0.0431, 0.0436)
+    rows = repeated(results)
+    md = repeats_markdown(rows, baseline_goodputs(results), ideal_iterations(results))
+    assert "43.10 - 44.00 ms (median 43.60 ms, +-1.0 %)" in md, md
+    lines = repeat_lines(rows, baseline_goodputs(results), ideal_iterations(results))
+    assert lines[-1].startswith("Each repetition's ideal iteration time") and "+-1.0 %" in lines[-1], lines
+    assert not any("ideal iteration" in line for line in repeat_lines(rows, baseline_goodputs(results)))
+    no_baseline = [dataclasses.replace(r, baseline=None) for r in results]
+    assert ideal_iterations(no_baseline) == ()   # a pooled estimate, not a yardstick per repetition
 
 
 def test_repetitions_of_different_policies_are_refused(tmp_path):
@@ -233,7 +256,8 @@ def test_run_repeated_runs_the_whole_experiment_n_times_each_into_its_own_direct
     c = ExperimentConfig(policies=("every:5", "auto"), out_dir=str(out))
     results = experiment_mod.run_repeated(c, 3, log=lines.append)
     assert seen == [str(out / f"repeat-{i}") for i in (1, 2, 3)] and len(results) == 3
-    assert lines[0] == "=== repetition 1/3" and "over 3 runs" in lines[-2] and lines[-1].endswith("repeats.json")
+    assert lines[0] == "=== repetition 1/3" and "over 3 runs" in lines[-3] and lines[-1].endswith("repeats.json")
+    assert lines[-2].startswith("Each repetition's ideal iteration time"), lines
     assert any(line.startswith("no failures  goodput median 1.000") for line in lines), lines
     assert (out / "repeats.md").exists() and (out / "repeats.json").exists()
     with pytest.raises(ValueError, match="repeat must be a whole number >= 1"):
