@@ -37,9 +37,11 @@ _deferred = False
 
 
 def defer_if_preparation() -> None:
-    """Stop collecting in a preparation's process (:data:`ENV` set) until :func:`settle`."""
+    """Stop collecting in a preparation's process (:data:`ENV` set) until :func:`settle`. The
+    variable is taken out of the environment: a process this one starts later (a data loader's
+    spawned worker importing cfdist) collects as usual."""
     global _deferred
-    if os.environ.get(ENV) == "1" and gc.isenabled() and not _deferred:
+    if os.environ.pop(ENV, None) == "1" and gc.isenabled() and not _deferred:
         gc.disable()
         _deferred = True
 

@@ -29,7 +29,7 @@ def _child(body: str, env: dict | None = None) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_a_preparation_imports_cfdist_and_torch_without_a_collection_then_settles_frozen():
+def test_a_preparation_imports_cfdist_and_torch_without_a_collection_then_settles_frozen_and_its_children_collect():
     out = _child("""
         counts = []
         gc.callbacks.append(lambda phase, info: counts.append(info["generation"]) if phase == "start" else None)
@@ -41,12 +41,18 @@ def test_a_preparation_imports_cfdist_and_torch_without_a_collection_then_settle
         out["enabled"] = gc.isenabled()
         out["frozen"] = gc.get_freeze_count()
         out["settled_again"] = _gc.settle()
+        import os, subprocess, sys
+        out["env_left"] = os.environ.get(_gc.ENV)
+        out["child_enabled"] = subprocess.run(   # a process it starts (a spawned data loader worker)
+            [sys.executable, "-c", "import gc, cfdist; print(gc.isenabled())"],
+            capture_output=True, text=True, check=True).stdout.strip()
     """, env={_gc.ENV: "1"})
     # at most a young-generation one before cfdist's first line runs; no full one
     assert out["enabled_after_import"] is False and out["collections_during_import"] in ([], [0]), out
     assert out["settled"] is True and out["enabled"] is True, out
     assert out["frozen"] > 100_000, out   # torch's and cfdist's objects: later collections skip them
     assert out["settled_again"] is False, out
+    assert out["env_left"] is None and out["child_enabled"] == "True", out
 
 
 def test_any_other_process_collects_as_usual():
