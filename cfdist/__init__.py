@@ -5,10 +5,6 @@ Everything users may import is listed in ``__all__``; anything else can change. 
 on its own: ``import cfdist`` does not load it).
 """
 
-from cfdist import _gc
-
-_gc.defer_if_preparation()   # before torch's imports: see cfdist._gc
-
 from cfdist import codecs
 from cfdist.api import OutputOptions, RecoveryOptions, TierOptions, fit
 from cfdist.checkpoint import (

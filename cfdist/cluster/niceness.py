@@ -49,7 +49,6 @@ import shutil
 import sys
 import threading
 
-from cfdist import _gc
 from cfdist.checkpoint.idle import LINUX as _LINUX, LOWEST_NICE, idle_thread
 
 log = logging.getLogger("cfdist.niceness")
@@ -68,16 +67,15 @@ def current() -> int:
 
 
 def prepared_options(node: dict | None = None) -> dict:
-    """Ray actor options that start the actor's process at :data:`PREPARE_NICE`, its imports
-    without garbage collections (:mod:`cfdist._gc`) (merged with the job's ``runtime_env``:
-    Ray merges ``env_vars``). ``node``: what the node's checkpoint
+    """Ray actor options that start the actor's process at :data:`PREPARE_NICE` (merged with
+    the job's ``runtime_env``: Ray merges ``env_vars``). ``node``: what the node's checkpoint
     actor reported (:func:`node_facts`); where it may return from ``SCHED_IDLE`` (``renice``)
     and has ``chrt``, the process runs under ``SCHED_IDLE`` from its start too (Ray's
     ``py_executable``: ``chrt --idle 0 <the node's python>``; not where the job's own
     ``runtime_env`` picks the interpreter or a container). Off Linux: none."""
     if not _LINUX:
         return {}
-    env: dict = {"env_vars": {"RAY_worker_niceness": str(PREPARE_NICE), _gc.ENV: "1"}}
+    env: dict = {"env_vars": {"RAY_worker_niceness": str(PREPARE_NICE)}}
     node = node or {}
     if node.get("renice") and node.get("chrt") and node.get("python") and _may_set_executable():
         env["py_executable"] = f"{shlex.quote(node['chrt'])} --idle 0 {shlex.quote(node['python'])}"

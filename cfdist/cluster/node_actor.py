@@ -47,7 +47,6 @@ import uuid
 
 import torch
 
-from cfdist import _gc
 from cfdist.checkpoint import slices
 from cfdist.checkpoint.discovery import read_tensors, sweep
 from cfdist.checkpoint.format import SEAL, ST_TO_TORCH, TMP_MARK, TensorEntry, shard_name, step_dir
@@ -208,7 +207,6 @@ class NodeCheckpointer:
     def __init__(self, *, config: FitConfig, run_id: str, node_id: str, node_name: str,
                  notices: str | None = None, standby: bool = False, role_nice: int | None = None,
                  after_pids: list[int] = ()):
-        _gc.settle()   # a standby's imports are done (cfdist._gc)
         stderr_to_file(config.log_dir, f"node-actor-{node_name}")   # see cfdist.cluster.proc_log
         self._args = (run_id, notices)
         self.config = config

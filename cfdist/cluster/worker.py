@@ -32,7 +32,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cfdist import _gc
 from cfdist.cluster import niceness
 from cfdist.cluster.context import PreemptionHalt, RankInfo, TrainContext
 from cfdist.cluster.proc_log import stderr_to_file
@@ -47,7 +46,6 @@ class RankWorker:
     def __init__(self, info: RankInfo | None, *, use_gpu: bool, timeout_s: float, cpus: float,
                  sigterm_grace_s: float = 25.0, log_dir: str | None = None, live_timeout_s: float | None = None,
                  keep_live: bool = False, role_nice: int | None = None):
-        _gc.settle()   # a preparation's imports are done (cfdist._gc)
         self.log_path = stderr_to_file(log_dir, "rank-worker")
         """This process's log file (None: stderr stays Ray's)."""
         self.info = info
@@ -120,12 +118,9 @@ class RankWorker:
     def _warm_up() -> None:
         from cfdist.cluster import node_actor  # noqa: F401 - the ActorBackend of ctx.checkpointer
 
-        if dist.is_initialized():
-            return
-        # A first DDP in a process imports ~800 modules (torch._dynamo, sympy, ...): seconds.
-        # Pay it now, on a private one-rank group, not after a failure; without garbage
-        # collections (two full ones of 120-180 ms each otherwise: cfdist._gc).
-        with _gc.imports():
+        if not dist.is_initialized():
+            # A first DDP in a process imports ~800 modules (torch._dynamo, sympy, ...): seconds.
+            # Pay it now, on a private one-rank group, not after a failure.
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             try:
                 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))

@@ -40,9 +40,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policy", ("policy",)),
     ("data", ("data",)),
     ("storage", ("storage",)),
-    # How a process cfdist starts handles its interpreter (the standard library only): the
-    # package's ``__init__`` runs it before anything else.
-    ("process", ("_gc",)),
 ]
 RANK = {part: len(LAYERS) - i for i, (_, parts) in enumerate(LAYERS) for part in parts}
 LAYER_OF = {part: name for name, parts in LAYERS for part in parts}

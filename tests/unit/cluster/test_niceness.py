@@ -82,9 +82,8 @@ def test_threads_the_background_function_starts_inherit_its_priority():
     assert niceness.run_at_background(starts_one) == os.SCHED_IDLE
 
 
-def test_prepared_options_have_ray_start_the_process_at_19_and_import_without_collections():
-    assert niceness.prepared_options() == {"runtime_env": {"env_vars": {"RAY_worker_niceness": "19",
-                                                                        "CFDIST_PREPARATION": "1"}}}
+def test_prepared_options_have_ray_start_the_process_at_19():
+    assert niceness.prepared_options() == {"runtime_env": {"env_vars": {"RAY_worker_niceness": "19"}}}
 
 
 def test_background_then_foreground_takes_every_thread_to_idle_and_back_to_the_workers_priority():
@@ -138,7 +137,7 @@ def test_can_renice_probes_on_a_helper_thread_and_changes_nothing():
 def test_a_node_that_may_return_and_has_chrt_starts_its_preparations_idle_from_the_first_instruction():
     facts = {"renice": True, "chrt": "/usr/bin/chrt", "python": "/opt/my env/bin/python3"}
     env = niceness.prepared_options(facts)["runtime_env"]
-    assert env["env_vars"] == {"RAY_worker_niceness": "19", "CFDIST_PREPARATION": "1"}
+    assert env["env_vars"] == {"RAY_worker_niceness": "19"}
     assert env["py_executable"] == "/usr/bin/chrt --idle 0 '/opt/my env/bin/python3'"
     for missing in ({**facts, "renice": False}, {**facts, "chrt": None}, {**facts, "python": None}):
         assert niceness.prepared_options(missing) == niceness.prepared_options()
