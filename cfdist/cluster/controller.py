@@ -542,6 +542,9 @@ class Controller:
         """Classify the failure (lost node / crashed process / error), log it, stop the group."""
         detected = self.clock()
         group = st.group
+        begin = getattr(self.backend, "begin_retire", None)
+        if begin is not None and self._pool is None:   # a pool notice's survivors write what they kept first
+            begin(group)
         lost_ids = self.backend.lost_nodes(group.nodes)
         lost = [n for n in group.nodes if n.node_id in lost_ids]
         died = [e for e in status.errors if e.actor_died]

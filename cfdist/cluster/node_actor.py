@@ -57,6 +57,7 @@ from cfdist.checkpoint.reader import committed_steps, is_committed, map_shard_da
 from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.cluster import niceness, transfer
 from cfdist.cluster.config import FitConfig
+from cfdist.cluster.nodes import exited
 from cfdist.cluster.proc_log import stderr_to_file
 from cfdist.storage import open_storages
 
@@ -101,7 +102,7 @@ def _wait_gone(pids, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     left = [p for p in pids if p]
     while left:
-        left = [p for p in left if pid_alive(p) and not _zombie(p)]
+        left = [p for p in left if p not in exited([p])]
         if not left:
             return
         if time.monotonic() >= deadline:
@@ -109,15 +110,6 @@ def _wait_gone(pids, timeout_s: float) -> None:
                         "opening the tiers anyway", left, timeout_s)
             return
         time.sleep(0.002)
-
-
-def _zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited and waits for its parent to reap it (its files are closed)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False   # gone (pid_alive tells), or no /proc: as alive as pid_alive says
 
 
 SUMS_WAIT_S = 2.0

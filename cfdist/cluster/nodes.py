@@ -8,6 +8,7 @@ its hostname. Call from the driver.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from cfdist.cluster.config import NODE_PLACEHOLDER, FitConfig
@@ -54,6 +55,40 @@ def unreachable(endpoints: dict[str, tuple[str, int]], timeout_s: float = 0.5) -
     with ThreadPoolExecutor(max_workers=min(16, len(endpoints))) as pool:
         verdicts = dict(zip(endpoints, pool.map(gone, endpoints.values())))
     return {nid for nid, dead in verdicts.items() if dead}
+
+
+def process_namespace() -> str | None:
+    """This process's kernel boot and process-id namespace (``"<boot id>:<pid namespace
+    inode>"``), or None where it cannot be told (no ``/proc``). Two processes that report the
+    same one see each other's pids: the driver can then tell whether a rank's process still
+    lives from ``/proc`` (:func:`exited`) instead of waiting for Ray to report it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def exited(pids) -> set[int]:
+    """Of ``pids`` (of this process's namespace, :func:`process_namespace`), those whose process
+    is gone or has exited and waits to be reaped (a zombie: its sockets are closed already)."""
+    out = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            out.add(pid)
+            continue
+        except PermissionError:
+            pass   # someone else's process: alive
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    out.add(pid)
+        except (OSError, IndexError):
+            pass   # gone meanwhile (the next look tells), or no /proc: as alive as kill() said
+    return out
 
 
 def fits(config: FitConfig, cpus: float, gpus: float) -> bool:

@@ -492,6 +492,13 @@ class RayBackend:
                     self._kill_spare(actor)
         return out
 
+    def begin_retire(self, group: RayWorkerGroup) -> None:
+        """After a failure, before it is classified: the survivors that :meth:`retire_group`
+        will recycle start dropping the attempt now (:meth:`RayWorkerGroup.begin_recycle`), so
+        that the driver's probes of the nodes and their recycling overlap."""
+        if self.config.warm_spares and not self.config.use_gpu:
+            group.begin_recycle()
+
     def retire_group(self, group: RayWorkerGroup) -> None:
         """After a failure: stop ``group``; its ranks that survived (their process lives, on a
         node not lost) become warm spares of their node, ahead of the pool (no process start

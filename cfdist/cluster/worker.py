@@ -36,6 +36,7 @@ from cfdist.cluster import niceness
 from cfdist.cluster.context import PreemptionHalt, RankInfo, TrainContext
 from cfdist.cluster.proc_log import stderr_to_file
 from cfdist.cluster.exits import exit_process
+from cfdist.cluster.nodes import process_namespace
 
 log = logging.getLogger("cfdist.worker")
 
@@ -131,7 +132,9 @@ class RankWorker:
                 dist.destroy_process_group()
 
     def endpoint(self, info: RankInfo | None = None) -> dict:
-        """This process's node id, IP and pid; on rank 0 also a fresh rendezvous store's port.
+        """This process's node id, IP, pid and process namespace (``ns``: where the driver shares
+        it, it sees this process exit at once, :func:`cfdist.cluster.nodes.exited`); on rank 0
+        also a fresh rendezvous store's port.
         ``info``: the role of a warm spare (set before anything else)."""
         import ray
 
@@ -144,7 +147,7 @@ class RankWorker:
 
         ip = ray.util.get_node_ip_address()
         out = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ip, "pid": os.getpid(),
-               "host": socket.gethostname()}
+               "host": socket.gethostname(), "ns": process_namespace()}
         if self.info.rank == 0:
             # Port 0: the OS picks a free port, no probe-then-bind race.
             self._store = dist.TCPStore(ip, 0, self.info.world_size, is_master=True,

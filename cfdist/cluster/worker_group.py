@@ -11,6 +11,7 @@ Call from the driver, one thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from cfdist.cluster.config import FitConfig
 from cfdist.cluster.context import RankInfo
 from cfdist.cluster.decisions import RestoreChoice
 from cfdist.cluster import niceness
-from cfdist.cluster.nodes import NodeInfo
+from cfdist.cluster.nodes import NodeInfo, exited, process_namespace
 from cfdist.cluster.states import GroupStatus, RankError
 from cfdist.cluster.worker import RankWorker
 
@@ -52,6 +53,15 @@ process answers on another thread of its actor in milliseconds; a frozen one nev
 _SETTLE_S = 1.0
 """After a first error, how long to wait for the other ranks' outcomes (to classify the failure:
 a surviving rank's collective error usually follows its peer's death within milliseconds)."""
+_EXIT_EVERY_S = 0.002
+"""After a first error, how often the driver looks in ``/proc`` for the processes of the ranks
+still running that share its process namespace (:meth:`RayWorkerGroup._exited`): Ray reports a
+rank's death 20-40 ms after its survivor's collective failed on this 2-core machine."""
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_namespace() -> str | None:
+    return process_namespace()
 
 
 class RayWorkerGroup:
@@ -94,6 +104,9 @@ class RayWorkerGroup:
         answered) and ``rendezvous`` (``torch.distributed`` initialised on every rank)."""
         self.workers: list = []
         self._endpoints: list[dict] = []
+        self._here: dict[int, int] = {}
+        self._recycling: dict | None = None   # rank -> ref of its recycle() answer (begin_recycle)
+        """rank -> pid of the ranks whose process the driver can see in ``/proc`` (same namespace)."""
         self._refs: dict[int, ray.ObjectRef] = {}
         self._results: dict[int, dict] = {}
         self._errors: list[RankError] = []
@@ -124,6 +137,8 @@ class RayWorkerGroup:
         timeout = self.config.rendezvous_timeout_s
         self._endpoints = ray.get([wk.endpoint.remote(info) for wk, info in zip(self.workers, infos)],
                                   timeout=timeout)
+        here = _driver_namespace()
+        self._here = {r: e["pid"] for r, e in enumerate(self._endpoints) if here is not None and e.get("ns") == here}
         t1 = time.perf_counter()
         host, port = self._endpoints[0]["ip"], self._endpoints[0]["port"]
         ray.get([wk.join.remote(host, port) for wk in self.workers], timeout=timeout)
@@ -174,13 +189,19 @@ class RayWorkerGroup:
         survivor's collective error follows its peer's death within milliseconds), but not for
         ranks of a node whose raylet is gone: Ray reports them dead only once its health checks
         fail, seconds later. Their nodes are probed at once and then at :data:`_PROBE_EVERY_S`
-        while some ranks have not answered."""
+        while some ranks have not answered. Nor for Ray's report of a rank whose process the
+        driver sees exit itself (:meth:`_exited`, every :data:`_EXIT_EVERY_S`)."""
         deadline = time.monotonic() + _SETTLE_S
         by_ref = {ref: r for r, ref in self._refs.items()}
         probes = iter(_PROBE_EVERY_S)
         gap = next(probes)
         probe_at = time.monotonic() + gap if self._unreachable is not None else float("inf")
         while left:
+            left = self._exited(left)
+            if not left:
+                break
+            look_at = time.monotonic() + _EXIT_EVERY_S if any(by_ref[ref] in self._here for ref in left) \
+                else float("inf")
             now = time.monotonic()
             if now >= probe_at:
                 try:
@@ -198,8 +219,29 @@ class RayWorkerGroup:
             now = time.monotonic()
             if now >= deadline:
                 break
-            ready, left = ray.wait(left, num_returns=len(left), timeout=max(0.0, min(deadline, probe_at) - now))
+            ready, left = ray.wait(left, num_returns=len(left),
+                                   timeout=max(0.0, min(deadline, probe_at, look_at) - now))
             self._collect(ready)
+
+    def _exited(self, left: list) -> list:
+        """Of the ``run`` references ``left``, record the ranks whose process exited as the
+        driver sees it in ``/proc`` (ranks in its process namespace: a rank's process killed or
+        crashed on a node that lives; its node actor's death is not needed); returns the rest.
+        Ray's own report of their death comes later: read in the background."""
+        if not self._here:
+            return left
+        by_ref = {ref: r for r, ref in self._refs.items()}
+        mine = {by_ref[ref]: ref for ref in left if by_ref[ref] in self._here}
+        gone = exited({self._here[r] for r in mine}) if mine else set()
+        if not gone:
+            return left
+        for r, ref in mine.items():
+            if self._here[r] in gone:
+                self._errors.append(RankError(r, self._node_of(r), True, self._hung.get(r) or
+                                              f"rank {r}'s process (pid {self._here[r]}) exited"))
+                self._read_later.append(ref)
+                _read_in_background([ref])
+        return [ref for ref in left if by_ref[ref] not in mine or self._here[by_ref[ref]] not in gone]
 
     def _wait_live_saves(self, pending: list[int]) -> None:
         """After a failure: the ranks still running are told (:meth:`RankWorker.peer_died`), and
@@ -244,8 +286,8 @@ class RayWorkerGroup:
         return self.nodes[rank // self.config.workers_per_node].node_id
 
     def _drain(self, rank: int) -> list[dict]:
-        if self._node_of(rank) in self._gone:   # its records went with the node; asking waits for Ray
-            return []
+        if self._node_of(rank) in self._gone or any(e.rank == rank and e.actor_died for e in self._errors):
+            return []   # its records went with its process or node; asking would wait for Ray to tell
         try:
             return ray.get(self.workers[rank].drain.remote(), timeout=10)
         except (ray.exceptions.RayError, TimeoutError):
@@ -298,17 +340,29 @@ class RayWorkerGroup:
         return self.workers[rank]
 
     def crash(self, rank: int, timeout_s: float = 10.0) -> None:
-        """SIGKILL the rank's process (from inside it: works on any node); returns once Ray saw
-        the process die (or after ``timeout_s``)."""
+        """SIGKILL the rank's process (from inside it: works on any node); returns once the
+        process is gone: as the driver sees it in ``/proc`` where it can (:attr:`_here`), else
+        once Ray saw it die (or after ``timeout_s``)."""
         from cfdist.cluster.quiet import expect_death
 
         if rank < len(self._endpoints):
             expect_death(self._endpoints[rank]["pid"])
         ref = self.workers[rank].crash.remote()
-        try:
-            ray.get(ref, timeout=timeout_s)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass   # RayActorError: it died, as asked
+        pid = self._here.get(rank)
+        deadline = time.monotonic() + timeout_s
+        while pid is not None and time.monotonic() < deadline:
+            ready, _ = ray.wait([ref], timeout=_EXIT_EVERY_S)
+            if ready or exited([pid]):
+                break
+        else:
+            ready, _ = ray.wait([ref], timeout=max(0.0, deadline - time.monotonic()))
+        if ready:
+            try:
+                ray.get(ref, timeout=0)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass   # RayActorError: it died, as asked
+        else:
+            _read_in_background([ref])   # Ray's report of the death comes later
 
     def stop_hung(self, quiet_s: float) -> tuple[list[int], bool]:
         """The group completed no step for ``quiet_s``: ask every running rank where it is; the
@@ -380,15 +434,26 @@ class RayWorkerGroup:
                 out.append(dict(row, **got))
         return out
 
+    def begin_recycle(self) -> None:
+        """Send :meth:`recycle`'s questions now (the ranks whose ``run`` raised drop the attempt
+        while the driver classifies the failure); :meth:`recycle` reads the answers. Not while
+        a survivor still has to write what it kept (a notice that names every node:
+        :meth:`save_kept` needs the attempt)."""
+        if self._recycling is None:
+            self._recycling = self._ask_recycle()
+
+    def _ask_recycle(self) -> dict:
+        died = {e.rank for e in self._errors if e.actor_died}
+        raised = [r for r in range(len(self.workers)) if r not in died and any(e.rank == r for e in self._errors)]
+        return {r: self.workers[r].recycle.remote() for r in raised}
+
     def recycle(self, timeout_s: float = 2.0) -> dict[str, list[tuple]]:
         """After a failure: the ranks whose ``run`` raised (their process lives, a peer died)
         drop the attempt in process (:meth:`RankWorker.recycle`); returns ``{node_id: [(actor,
         ref of its answer)]}`` of those that did within ``timeout_s``, and kills every other
         rank. The returned actors are warm spares of the next attempt (no process start, torch
         loaded); :attr:`live_held` says which of them kept their live state, of which step."""
-        died = {e.rank for e in self._errors if e.actor_died}
-        raised = [r for r in range(len(self.workers)) if r not in died and any(e.rank == r for e in self._errors)]
-        refs = {r: self.workers[r].recycle.remote() for r in raised}
+        refs = self._recycling if self._recycling is not None else self._ask_recycle()
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
         kept: dict[str, list[tuple]] = {}
         for r, ref in refs.items():

@@ -1,6 +1,7 @@
 """``RayWorkerGroup._settle``: after a first error, the other ranks' outcomes are waited for,
 except those of a node whose raylet is gone (Ray reports such ranks dead only after its health
-checks, seconds later). The nodes are probed at once, then again at growing intervals.
+checks, seconds later). The nodes are probed at once, then again at growing intervals. Nor for
+Ray's report of a rank whose process the driver sees exit in ``/proc`` (same namespace).
 
 Ray and the clock are faked here (``ray.wait``/``ray.get`` and ``time.monotonic`` of the group's
 module): the waits the group asks for are recorded and the clock moves by them, so the probe
@@ -16,14 +17,18 @@ import pytest
 from cfdist.cluster import worker_group
 from cfdist.cluster.config import FitConfig
 from cfdist.cluster.nodes import NodeInfo
-from cfdist.cluster.worker_group import _PROBE_EVERY_S, _SETTLE_S, RayWorkerGroup
+from cfdist.cluster.worker_group import _EXIT_EVERY_S, _PROBE_EVERY_S, _SETTLE_S, RayWorkerGroup
 
 
 class World:
     """Two ranks, one per node; rank ``r``'s outcome is the ref ``"r<r>"``."""
 
-    def __init__(self, monkeypatch, *, answers: dict[str, float], gone_from: dict[str, int]):
+    def __init__(self, monkeypatch, *, answers: dict[str, float], gone_from: dict[str, int],
+                 here: dict[int, int] | None = None, exits: dict[int, float] | None = None):
         self.now = 0.0
+        self.exits = exits or {}        # pid -> when the driver sees it exited in /proc
+        self.looks: list[float] = []
+        self.read_later: list = []
         self.answers = answers          # ref -> when its outcome arrives (absent: never)
         self.gone_from = gone_from      # node id -> the probe (1-based) from which it is gone
         self.waits: list[float] = []
@@ -38,7 +43,15 @@ class World:
         g._refs = {0: "r0", 1: "r1"}
         g._results, g._errors, g._hung, g._gone = {}, [], {}, set()
         g._unreachable = self.unreachable
+        g._here = dict(here or {})
+        g._read_later = []
+        monkeypatch.setattr(worker_group, "exited", self.exited)
+        monkeypatch.setattr(worker_group, "_read_in_background", self.read_later.extend)
         self.group = g
+
+    def exited(self, pids):
+        self.looks.append(round(self.now, 6))
+        return {p for p in pids if self.exits.get(p, float("inf")) <= self.now}
 
     def wait(self, refs, num_returns=1, timeout=None):
         self.waits.append(round(timeout, 6))
@@ -103,3 +116,41 @@ def test_a_probe_that_fails_falls_back_on_waiting_for_the_ranks(monkeypatch, cap
     assert w.waits == [_SETTLE_S] and w.now == pytest.approx(0.4)
     assert w.group._results == {1: {"rank": "r1"}}
     assert "could not probe the nodes' raylets (GCS unreachable)" in caplog.text
+
+
+def test_a_rank_whose_process_the_driver_sees_exit_is_not_waited_for(monkeypatch):
+    """Rank 0's collective failed; rank 1 was killed on a node that lives, in the driver's
+    process namespace (a one-machine run): its process is found exited in ``/proc`` at the
+    driver's look 6 ms after the first error, long before Ray would report it. It is recorded
+    as dead (its process gone), Ray's later report of it is read in the background, and
+    nothing more is waited for."""
+    w = World(monkeypatch, answers={}, gone_from={}, here={1: 4242}, exits={4242: 0.005})
+    w.group._settle(["r1"])
+    assert w.now == pytest.approx(0.006)   # three looks, _EXIT_EVERY_S apart
+    assert w.looks == [0.0, _EXIT_EVERY_S, 2 * _EXIT_EVERY_S, 3 * _EXIT_EVERY_S], w.looks
+    [err] = w.group._errors
+    assert (err.rank, err.node_id, err.actor_died) == (1, "n1", True)
+    assert "rank 1's process (pid 4242) exited" in err.message
+    assert w.read_later == ["r1"] and w.group._read_later == ["r1"]
+    assert not w.group._results and not w.group._gone
+
+
+def test_a_rank_outside_the_drivers_namespace_is_waited_for_as_before(monkeypatch):
+    """Rank 1 runs on another machine (no pid the driver can look up): its outcome is waited
+    for, with the raylet probes' schedule alone (no ``/proc`` look between them)."""
+    w = World(monkeypatch, answers={"r1": 0.025}, gone_from={}, here={0: 17})
+    w.group._settle(["r1"])
+    assert w.looks == [] and w.now == pytest.approx(0.025)
+    assert w.waits == [_PROBE_EVERY_S[1], _PROBE_EVERY_S[2]], w.waits   # the probes' gaps only
+    assert w.group._results == {1: {"rank": "r1"}}
+
+
+def test_a_live_rank_in_the_drivers_namespace_answers_between_the_looks(monkeypatch):
+    """A survivor in the driver's namespace whose outcome comes 9 ms after the first error:
+    the driver looks in ``/proc`` every ``_EXIT_EVERY_S`` meanwhile, finds it alive each time,
+    and collects its outcome when it arrives (not mistaken for an exit)."""
+    w = World(monkeypatch, answers={"r1": 0.009}, gone_from={}, here={1: 99})
+    w.group._settle(["r1"])
+    assert w.group._results == {1: {"rank": "r1"}} and not w.group._errors
+    assert w.now == pytest.approx(0.009)
+    assert len(w.looks) == 5 and w.looks[0] == 0.0, w.looks
