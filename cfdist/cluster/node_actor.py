@@ -57,7 +57,7 @@ from cfdist.checkpoint.reader import committed_steps, is_committed, map_shard_da
 from cfdist.checkpoint.slice_commit import SliceCommit
 from cfdist.cluster import niceness, transfer
 from cfdist.cluster.config import FitConfig
-from cfdist.cluster.nodes import exited
+from cfdist.cluster.nodes import exited, process_namespace
 from cfdist.cluster.proc_log import stderr_to_file
 from cfdist.storage import open_storages
 
@@ -294,7 +294,7 @@ class NodeCheckpointer:
         workers' priority here (``nice``), whether a process started at the lowest may return
         to it (``renice``), and how to start one so (``python``, ``chrt``:
         :func:`cfdist.cluster.niceness.prepared_options`)."""
-        return {"node_id": self.node_id, "node_name": self.node_name, "pid": os.getpid(),
+        return {"node_id": self.node_id, "node_name": self.node_name, "pid": os.getpid(), "ns": process_namespace(),
                 "nice": self._role_nice, "renice": self._renice, **niceness.node_facts(),
                 "memory": [s.url for s in self.mem] if self.mem else None,
                 "local": [s.url for s in self.local] if self.local else None,
@@ -316,6 +316,19 @@ class NodeCheckpointer:
             self._persisted = -1
             self._persisted_cv.notify_all()
         self.forget_workers(dead_pids)
+
+    def await_exit(self, pids: list[int], wait_s: float) -> list[int]:
+        """Which of ``pids`` (rank processes of this node, in this actor's process namespace: its
+        ``ready()["ns"]``) have exited: answers as soon as one has (looking every 2 ms), or
+        with none after ``wait_s``. The driver asks after a first error, for the ranks whose
+        processes it cannot see itself (``RayWorkerGroup._settle``): Ray reports a death tens
+        of milliseconds later. Any thread."""
+        deadline = time.monotonic() + max(0.0, float(wait_s))
+        while True:
+            gone = exited([int(p) for p in pids])
+            if gone or time.monotonic() >= deadline:
+                return sorted(gone)
+            time.sleep(0.002)
 
     def kill_workers(self, pids) -> list[int]:
         """SIGKILL rank processes of this node (a frozen one too: SIGKILL needs no cooperation,

@@ -105,8 +105,10 @@ class RayWorkerGroup:
         self.workers: list = []
         self._endpoints: list[dict] = []
         self._here: dict[int, int] = {}
-        self._recycling: dict | None = None   # rank -> ref of its recycle() answer (begin_recycle)
         """rank -> pid of the ranks whose process the driver can see in ``/proc`` (same namespace)."""
+        self._there: dict[int, int] = {}
+        """rank -> pid of the other ranks whose node actor can see their process (same namespace)."""
+        self._recycling: dict | None = None   # rank -> ref of its recycle() answer (begin_recycle)
         self._refs: dict[int, ray.ObjectRef] = {}
         self._results: dict[int, dict] = {}
         self._errors: list[RankError] = []
@@ -139,6 +141,8 @@ class RayWorkerGroup:
                                   timeout=timeout)
         here = _driver_namespace()
         self._here = {r: e["pid"] for r, e in enumerate(self._endpoints) if here is not None and e.get("ns") == here}
+        self._there = {r: e["pid"] for r, e in enumerate(self._endpoints) if r not in self._here and e.get("ns")
+                       and e.get("ns") == self._tiers[r // w].get("ns")}
         t1 = time.perf_counter()
         host, port = self._endpoints[0]["ip"], self._endpoints[0]["port"]
         ray.get([wk.join.remote(host, port) for wk in self.workers], timeout=timeout)
@@ -189,59 +193,112 @@ class RayWorkerGroup:
         survivor's collective error follows its peer's death within milliseconds), but not for
         ranks of a node whose raylet is gone: Ray reports them dead only once its health checks
         fail, seconds later. Their nodes are probed at once and then at :data:`_PROBE_EVERY_S`
-        while some ranks have not answered. Nor for Ray's report of a rank whose process the
-        driver sees exit itself (:meth:`_exited`, every :data:`_EXIT_EVERY_S`)."""
+        while some ranks have not answered. Nor for Ray's report of a rank whose process exited:
+        the driver looks in ``/proc`` every :data:`_EXIT_EVERY_S` for the ranks that share its
+        process namespace (:attr:`_here`), and asks the node actor of the others
+        (:meth:`NodeCheckpointer.await_exit`: it answers when one exits) where it shares theirs
+        (:attr:`_there`); :meth:`_record_exit`."""
         deadline = time.monotonic() + _SETTLE_S
         by_ref = {ref: r for r, ref in self._refs.items()}
         probes = iter(_PROBE_EVERY_S)
         gap = next(probes)
         probe_at = time.monotonic() + gap if self._unreachable is not None else float("inf")
-        while left:
-            left = self._exited(left)
-            if not left:
-                break
-            look_at = time.monotonic() + _EXIT_EVERY_S if any(by_ref[ref] in self._here for ref in left) \
-                else float("inf")
-            now = time.monotonic()
-            if now >= probe_at:
-                try:
-                    gone = self._unreachable({self._node_of(by_ref[ref]) for ref in left})
-                except Exception as e:  # noqa: BLE001 - an optimisation: fall back on waiting
-                    log.info("could not probe the nodes' raylets (%s); waiting for the ranks instead", e)
-                    gone, probe_at = set(), float("inf")
-                else:
-                    gap = next(probes, gap)
-                    probe_at = time.monotonic() + gap
-                self._gone |= gone
-                left = [ref for ref in left if self._node_of(by_ref[ref]) not in gone]
+        asks: dict = {}          # ref of a node actor's await_exit -> its node rank
+        mute: set[int] = set()   # node ranks whose actor cannot be asked (gone)
+        try:
+            while left:
+                left = self._exited(left)
                 if not left:
                     break
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            ready, left = ray.wait(left, num_returns=len(left),
-                                   timeout=max(0.0, min(deadline, probe_at, look_at) - now))
-            self._collect(ready)
+                self._ask_exits(left, asks, mute, deadline)
+                look_at = time.monotonic() + _EXIT_EVERY_S if any(by_ref[ref] in self._here for ref in left) \
+                    else float("inf")
+                now = time.monotonic()
+                if now >= probe_at:
+                    try:
+                        gone = self._unreachable({self._node_of(by_ref[ref]) for ref in left})
+                    except Exception as e:  # noqa: BLE001 - an optimisation: fall back on waiting
+                        log.info("could not probe the nodes' raylets (%s); waiting for the ranks instead", e)
+                        gone, probe_at = set(), float("inf")
+                    else:
+                        gap = next(probes, gap)
+                        probe_at = time.monotonic() + gap
+                    self._gone |= gone
+                    left = [ref for ref in left if self._node_of(by_ref[ref]) not in gone]
+                    if not left:
+                        break
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                wait = max(0.0, min(deadline, probe_at, look_at) - now)
+                if asks:   # any answer ends the wait: an exit frees the ranks waited for at once
+                    pending = left + list(asks)
+                    ready, _ = ray.wait(pending, num_returns=1, timeout=wait)
+                    rest = [x for x in pending if x not in ready]
+                    if ready and rest:
+                        ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+                else:
+                    ready, _ = ray.wait(left, num_returns=len(left), timeout=wait)
+                self._collect([x for x in ready if x in by_ref])
+                gone_pids: set[int] = set()
+                for ref in [x for x in ready if x in asks]:
+                    # one question per node: it answers at the first exit there or at the deadline
+                    # (its actor gone with its node: Ray's report of the ranks decides)
+                    mute.add(asks.pop(ref))
+                    try:
+                        gone_pids |= set(ray.get(ref))
+                    except ray.exceptions.RayError:
+                        pass
+                left = [ref for ref in left if ref not in ready and not
+                        (by_ref[ref] in self._there and self._there[by_ref[ref]] in gone_pids
+                         and self._record_exit(by_ref[ref], self._there[by_ref[ref]]))]
+        finally:
+            if asks:   # questions still open: read their answers later, or Ray prints them unread
+                _read_in_background(list(asks))
+
+    def _ask_exits(self, left: list, asks: dict, mute: set, deadline: float) -> None:
+        """Ask the node actor of each node that has ranks in ``left`` the driver cannot see
+        itself (:attr:`_there`), and no question pending, to answer when one of them exits."""
+        by_ref = {ref: r for r, ref in self._refs.items()}
+        asked = set(asks.values())
+        todo: dict[int, list[int]] = {}
+        for ref in left:
+            r = by_ref[ref]
+            node_rank = r // self.config.workers_per_node
+            if r in self._there and node_rank not in asked and node_rank not in mute \
+                    and self.nodes[node_rank].node_id not in self._gone:
+                todo.setdefault(node_rank, []).append(self._there[r])
+        for node_rank, pids in todo.items():
+            try:
+                ref = self._node_actors[node_rank].await_exit.remote(pids, max(0.0, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - an optimisation: Ray's report of the ranks decides
+                log.debug("could not ask node %d's actor about its ranks' processes: %s", node_rank, e)
+                mute.add(node_rank)
+                continue
+            asks[ref] = node_rank
 
     def _exited(self, left: list) -> list:
         """Of the ``run`` references ``left``, record the ranks whose process exited as the
         driver sees it in ``/proc`` (ranks in its process namespace: a rank's process killed or
-        crashed on a node that lives; its node actor's death is not needed); returns the rest.
-        Ray's own report of their death comes later: read in the background."""
+        crashed on a node that lives); returns the rest."""
         if not self._here:
             return left
         by_ref = {ref: r for r, ref in self._refs.items()}
         mine = {by_ref[ref]: ref for ref in left if by_ref[ref] in self._here}
         gone = exited({self._here[r] for r in mine}) if mine else set()
-        if not gone:
-            return left
-        for r, ref in mine.items():
-            if self._here[r] in gone:
-                self._errors.append(RankError(r, self._node_of(r), True, self._hung.get(r) or
-                                              f"rank {r}'s process (pid {self._here[r]}) exited"))
-                self._read_later.append(ref)
-                _read_in_background([ref])
-        return [ref for ref in left if by_ref[ref] not in mine or self._here[by_ref[ref]] not in gone]
+        return [ref for ref in left if not (by_ref[ref] in mine and self._here[by_ref[ref]] in gone
+                                            and self._record_exit(by_ref[ref], self._here[by_ref[ref]]))]
+
+    def _record_exit(self, rank: int, pid: int) -> bool:
+        """Rank ``rank``'s process ``pid`` exited (seen in ``/proc``, by the driver or by its node
+        actor): it failed as if Ray had reported its death, which comes later and is read in
+        the background. Returns True."""
+        ref = self._refs[rank]
+        self._errors.append(RankError(rank, self._node_of(rank), True, self._hung.get(rank) or
+                                      f"rank {rank}'s process (pid {pid}) exited"))
+        self._read_later.append(ref)
+        _read_in_background([ref])
+        return True
 
     def _wait_live_saves(self, pending: list[int]) -> None:
         """After a failure: the ranks still running are told (:meth:`RankWorker.peer_died`), and

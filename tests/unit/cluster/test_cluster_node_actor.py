@@ -396,3 +396,38 @@ def test_an_activation_sweeps_nothing_before_the_nodes_killed_actor_is_gone(tmp_
         predecessor.kill()
         predecessor.wait()
         standby.close()
+
+
+def test_await_exit_answers_at_a_ranks_exit_and_names_only_the_exited(tmp_path, monkeypatch):
+    """``NodeCheckpointer.await_exit`` (the driver's question for ranks on another machine):
+    two live rank-like processes; none exits within a short wait (empty answer after the
+    wait); one is then killed while the question stands, and the answer names it alone, well
+    before the wait's end. Its ``ready()`` reports the namespace the driver compares with the
+    ranks' own."""
+    from cfdist.cluster import node_actor
+    from cfdist.cluster.nodes import process_namespace
+
+    monkeypatch.setattr(node_actor.niceness, "can_renice", lambda to: False)
+    cfg = FitConfig(storage=f"file://{tmp_path}/{{node}}", run_name="r")
+    actor = NodeCheckpointer(config=cfg, run_id=f"unit-{uuid.uuid4().hex[:8]}", node_id="A" * 20, node_name="a")
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
+    try:
+        assert actor.ready()["ns"] == process_namespace()
+        t0 = time.monotonic()
+        assert actor.await_exit([p.pid for p in ranks], 0.05) == []
+        assert time.monotonic() - t0 >= 0.05
+        out = []
+        t = threading.Thread(target=lambda: out.append(actor.await_exit([p.pid for p in ranks], 60.0)))
+        t0 = time.monotonic()
+        t.start()
+        t.join(0.2)
+        assert t.is_alive(), "await_exit answered while both processes lived"
+        ranks[1].kill()   # killed, not reaped: a zombie counts as exited
+        t.join(30)
+        assert not t.is_alive(), "await_exit did not answer once a process exited"
+        assert out == [[ranks[1].pid]] and time.monotonic() - t0 < 30
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+        actor.close()

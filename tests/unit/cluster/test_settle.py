@@ -24,7 +24,8 @@ class World:
     """Two ranks, one per node; rank ``r``'s outcome is the ref ``"r<r>"``."""
 
     def __init__(self, monkeypatch, *, answers: dict[str, float], gone_from: dict[str, int],
-                 here: dict[int, int] | None = None, exits: dict[int, float] | None = None):
+                 here: dict[int, int] | None = None, exits: dict[int, float] | None = None,
+                 there: dict[int, int] | None = None):
         self.now = 0.0
         self.exits = exits or {}        # pid -> when the driver sees it exited in /proc
         self.looks: list[float] = []
@@ -36,7 +37,9 @@ class World:
         self.broken = False
         monkeypatch.setattr(worker_group, "time", SimpleNamespace(monotonic=lambda: self.now))
         monkeypatch.setattr(worker_group.ray, "wait", self.wait)
-        monkeypatch.setattr(worker_group.ray, "get", lambda ref: {"rank": ref})
+        monkeypatch.setattr(worker_group.ray, "get", self.get)
+        self.asked: list[tuple[int, list[int], float]] = []   # (node rank, pids, wait_s) of await_exit
+        self.exit_answers: dict[int, tuple[float, object]] = {}   # node rank -> (when, pids or an error)
         g = object.__new__(RayWorkerGroup)
         g.config = FitConfig(storage=("file:///tmp/x",), num_nodes=2, progress=False)
         g.nodes = [NodeInfo("n0", "n0", "a", 1.0, 0), NodeInfo("n1", "n1", "a", 1.0, 0)]
@@ -44,10 +47,30 @@ class World:
         g._results, g._errors, g._hung, g._gone = {}, [], {}, set()
         g._unreachable = self.unreachable
         g._here = dict(here or {})
+        g._there = dict(there or {})
+        g._node_actors = [SimpleNamespace(await_exit=SimpleNamespace(remote=self._asker(i))) for i in range(2)]
         g._read_later = []
         monkeypatch.setattr(worker_group, "exited", self.exited)
         monkeypatch.setattr(worker_group, "_read_in_background", self.read_later.extend)
         self.group = g
+
+    def _asker(self, node_rank):
+        def remote(pids, wait_s):
+            self.asked.append((node_rank, list(pids), round(wait_s, 6)))
+            token = f"x{node_rank}-{len(self.asked)}"
+            when, _ = self.exit_answers.get(node_rank, (None, None))
+            if when is not None:
+                self.answers[token] = max(when, self.now)
+            return token
+        return remote
+
+    def get(self, ref):
+        if ref.startswith("x"):
+            _, got = self.exit_answers[int(ref[1:].split("-")[0])]
+            if isinstance(got, BaseException):
+                raise got
+            return got
+        return {"rank": ref}
 
     def exited(self, pids):
         self.looks.append(round(self.now, 6))
@@ -154,3 +177,41 @@ def test_a_live_rank_in_the_drivers_namespace_answers_between_the_looks(monkeypa
     assert w.group._results == {1: {"rank": "r1"}} and not w.group._errors
     assert w.now == pytest.approx(0.009)
     assert len(w.looks) == 5 and w.looks[0] == 0.0, w.looks
+
+
+def test_a_rank_on_another_machine_is_seen_exit_by_its_node_actor(monkeypatch):
+    """Rank 1 runs on another machine, in its node actor's namespace: the node actor is asked at
+    once (until the settle's deadline) and answers 7 ms later that its process exited; the
+    wait ends at that answer, the rank is recorded dead, and Ray's report is read later."""
+    w = World(monkeypatch, answers={}, gone_from={}, there={1: 777})
+    w.exit_answers[1] = (0.007, [777])
+    w.group._settle(["r1"])
+    assert w.asked == [(1, [777], _SETTLE_S)], w.asked
+    assert w.now == pytest.approx(0.007)
+    [err] = w.group._errors
+    assert (err.rank, err.actor_died) == (1, True) and "rank 1's process (pid 777) exited" in err.message
+    assert w.read_later == ["r1"]
+
+
+def test_a_node_actor_that_cannot_answer_leaves_the_rank_to_rays_report(monkeypatch):
+    """The node actor died with its node's ranks (a drained node): its answer is an error, the
+    node is not asked again, and the rank's own outcome (Ray's report of its death) decides."""
+    from ray.exceptions import RayActorError
+
+    w = World(monkeypatch, answers={"r1": 0.03}, gone_from={}, there={1: 777})
+    w.exit_answers[1] = (0.002, RayActorError())
+    w.group._settle(["r1"])
+    assert [a[0] for a in w.asked] == [1], w.asked   # asked once
+    assert w.group._results == {1: {"rank": "r1"}} and not w.group._errors
+    assert w.now == pytest.approx(0.03)
+
+
+def test_a_node_actor_is_asked_once_per_settle(monkeypatch):
+    """A node actor answers at the first exit on its node or at the deadline; should it answer
+    that none exited before then, it is not asked again (no storm of questions): the rank's
+    own outcome ends the settle."""
+    w = World(monkeypatch, answers={"r1": 0.05}, gone_from={}, there={1: 5})
+    w.exit_answers[1] = (0.01, [])
+    w.group._settle(["r1"])
+    assert [a[0] for a in w.asked] == [1], w.asked
+    assert w.group._results == {1: {"rank": "r1"}} and not w.group._errors
