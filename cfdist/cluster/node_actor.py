@@ -102,7 +102,8 @@ def _wait_gone(pids, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     left = [p for p in pids if p]
     while left:
-        left = [p for p in left if p not in exited([p])]
+        gone = exited(left)
+        left = [p for p in left if p not in gone]
         if not left:
             return
         if time.monotonic() >= deadline:

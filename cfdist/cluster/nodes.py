@@ -73,15 +73,13 @@ def process_namespace() -> str | None:
 def exited(pids) -> set[int]:
     """Of ``pids`` (of this process's namespace, :func:`process_namespace`), those whose process
     is gone or has exited and waits to be reaped (a zombie: its sockets are closed already)."""
+    from cfdist.checkpoint.persist import pid_alive
+
     out = set()
     for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             out.add(pid)
             continue
-        except PermissionError:
-            pass   # someone else's process: alive
         try:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):

@@ -207,10 +207,10 @@ class RayWorkerGroup:
         mute: set[int] = set()   # node ranks whose actor cannot be asked (gone)
         try:
             while left:
-                left = self._exited(left)
+                left = self._exited(left, by_ref)
                 if not left:
                     break
-                self._ask_exits(left, asks, mute, deadline)
+                self._ask_exits(left, by_ref, asks, mute, deadline)
                 look_at = time.monotonic() + _EXIT_EVERY_S if any(by_ref[ref] in self._here for ref in left) \
                     else float("inf")
                 now = time.monotonic()
@@ -230,36 +230,27 @@ class RayWorkerGroup:
                 now = time.monotonic()
                 if now >= deadline:
                     break
-                wait = max(0.0, min(deadline, probe_at, look_at) - now)
-                if asks:   # any answer ends the wait: an exit frees the ranks waited for at once
-                    pending = left + list(asks)
-                    ready, _ = ray.wait(pending, num_returns=1, timeout=wait)
-                    rest = [x for x in pending if x not in ready]
-                    if ready and rest:
-                        ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
-                else:
-                    ready, _ = ray.wait(left, num_returns=len(left), timeout=wait)
+                # the first outcome or answer ends the wait (the loop picks up any others at once)
+                ready, _ = ray.wait(left + list(asks), num_returns=1,
+                                    timeout=max(0.0, min(deadline, probe_at, look_at) - now))
                 self._collect([x for x in ready if x in by_ref])
-                gone_pids: set[int] = set()
+                left = [ref for ref in left if ref not in ready]
                 for ref in [x for x in ready if x in asks]:
                     # one question per node: it answers at the first exit there or at the deadline
-                    # (its actor gone with its node: Ray's report of the ranks decides)
                     mute.add(asks.pop(ref))
                     try:
-                        gone_pids |= set(ray.get(ref))
-                    except ray.exceptions.RayError:
-                        pass
-                left = [ref for ref in left if ref not in ready and not
-                        (by_ref[ref] in self._there and self._there[by_ref[ref]] in gone_pids
-                         and self._record_exit(by_ref[ref], self._there[by_ref[ref]]))]
+                        gone = set(ray.get(ref))
+                    except ray.exceptions.RayError as e:   # its actor went with its node: Ray's report decides
+                        log.debug("a node actor could not say which ranks exited: %s", e)
+                        continue
+                    left = self._drop_exited(left, by_ref, self._there, gone)
         finally:
             if asks:   # questions still open: read their answers later, or Ray prints them unread
                 _read_in_background(list(asks))
 
-    def _ask_exits(self, left: list, asks: dict, mute: set, deadline: float) -> None:
+    def _ask_exits(self, left: list, by_ref: dict, asks: dict, mute: set, deadline: float) -> None:
         """Ask the node actor of each node that has ranks in ``left`` the driver cannot see
         itself (:attr:`_there`), and no question pending, to answer when one of them exits."""
-        by_ref = {ref: r for r, ref in self._refs.items()}
         asked = set(asks.values())
         todo: dict[int, list[int]] = {}
         for ref in left:
@@ -277,28 +268,34 @@ class RayWorkerGroup:
                 continue
             asks[ref] = node_rank
 
-    def _exited(self, left: list) -> list:
+    def _exited(self, left: list, by_ref: dict) -> list:
         """Of the ``run`` references ``left``, record the ranks whose process exited as the
         driver sees it in ``/proc`` (ranks in its process namespace: a rank's process killed or
         crashed on a node that lives); returns the rest."""
-        if not self._here:
-            return left
-        by_ref = {ref: r for r, ref in self._refs.items()}
-        mine = {by_ref[ref]: ref for ref in left if by_ref[ref] in self._here}
-        gone = exited({self._here[r] for r in mine}) if mine else set()
-        return [ref for ref in left if not (by_ref[ref] in mine and self._here[by_ref[ref]] in gone
-                                            and self._record_exit(by_ref[ref], self._here[by_ref[ref]]))]
+        mine = {self._here[by_ref[ref]] for ref in left if by_ref[ref] in self._here}
+        return self._drop_exited(left, by_ref, self._here, exited(mine)) if mine else left
 
-    def _record_exit(self, rank: int, pid: int) -> bool:
+    def _drop_exited(self, left: list, by_ref: dict, pids: dict[int, int], gone: set[int]) -> list:
+        """``left`` less the ranks whose process (``pids``: rank -> pid) is in ``gone``, each
+        recorded as dead (:meth:`_record_exit`)."""
+        rest = []
+        for ref in left:
+            r = by_ref[ref]
+            if r in pids and pids[r] in gone:
+                self._record_exit(r, pids[r])
+            else:
+                rest.append(ref)
+        return rest
+
+    def _record_exit(self, rank: int, pid: int) -> None:
         """Rank ``rank``'s process ``pid`` exited (seen in ``/proc``, by the driver or by its node
         actor): it failed as if Ray had reported its death, which comes later and is read in
-        the background. Returns True."""
+        the background."""
         ref = self._refs[rank]
         self._errors.append(RankError(rank, self._node_of(rank), True, self._hung.get(rank) or
                                       f"rank {rank}'s process (pid {pid}) exited"))
         self._read_later.append(ref)
         _read_in_background([ref])
-        return True
 
     def _wait_live_saves(self, pending: list[int]) -> None:
         """After a failure: the ranks still running are told (:meth:`RankWorker.peer_died`), and
@@ -406,13 +403,13 @@ class RayWorkerGroup:
             expect_death(self._endpoints[rank]["pid"])
         ref = self.workers[rank].crash.remote()
         pid = self._here.get(rank)
-        deadline = time.monotonic() + timeout_s
-        while pid is not None and time.monotonic() < deadline:
-            ready, _ = ray.wait([ref], timeout=_EXIT_EVERY_S)
-            if ready or exited([pid]):
-                break
+        if pid is None:
+            ready, _ = ray.wait([ref], timeout=timeout_s)
         else:
-            ready, _ = ray.wait([ref], timeout=max(0.0, deadline - time.monotonic()))
+            deadline = time.monotonic() + timeout_s
+            ready = []
+            while not ready and not exited([pid]) and time.monotonic() < deadline:
+                ready, _ = ray.wait([ref], timeout=_EXIT_EVERY_S)
         if ready:
             try:
                 ray.get(ref, timeout=0)
