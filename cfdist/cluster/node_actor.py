@@ -320,13 +320,13 @@ class NodeCheckpointer:
 
     def await_exit(self, pids: list[int], wait_s: float) -> list[int]:
         """Which of ``pids`` (rank processes of this node, in this actor's process namespace: its
-        ``ready()["ns"]``) have exited: answers as soon as one has (looking every 2 ms), or
+        ``ready()["ns"]``) have exited or are exiting (:func:`~cfdist.cluster.nodes.exited`): answers as soon as one has (looking every 2 ms), or
         with none after ``wait_s``. The driver asks after a first error, for the ranks whose
         processes it cannot see itself (``RayWorkerGroup._settle``): Ray reports a death tens
         of milliseconds later. Any thread."""
         deadline = time.monotonic() + max(0.0, float(wait_s))
         while True:
-            gone = exited([int(p) for p in pids])
+            gone = exited([int(p) for p in pids], exiting=True)
             if gone or time.monotonic() >= deadline:
                 return sorted(gone)
             time.sleep(0.002)

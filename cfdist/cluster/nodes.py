@@ -70,9 +70,19 @@ def process_namespace() -> str | None:
         return None
 
 
-def exited(pids) -> set[int]:
+_PF_EXITING = 0x4
+"""The kernel's per-task flag "getting shut down" (``/proc/<pid>/stat``'s ninth field): set as a
+task starts to exit (a SIGKILL delivered, ``exit()``), before its memory is freed and long
+before its sockets are closed (tens of milliseconds for a rank's process)."""
+
+
+def exited(pids, *, exiting: bool = False) -> set[int]:
     """Of ``pids`` (of this process's namespace, :func:`process_namespace`), those whose process
-    is gone or has exited and waits to be reaped (a zombie: its sockets are closed already)."""
+    is gone or has exited and waits to be reaped (a zombie; for a threaded process, its main
+    thread exited while the last threads tear the process down). With ``exiting``, also those
+    being shut down (:data:`_PF_EXITING`: a SIGKILLed process shows it within milliseconds, while
+    its sockets close only once its memory is freed, tens of milliseconds later): none of them
+    comes back, but such a process may still hold its files and sockets."""
     from cfdist.checkpoint.persist import pid_alive
 
     out = set()
@@ -82,9 +92,10 @@ def exited(pids) -> set[int]:
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    out.add(pid)
-        except (OSError, IndexError):
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] in ("Z", "X") or (exiting and int(fields[6]) & _PF_EXITING):
+                out.add(pid)
+        except (OSError, IndexError, ValueError):
             pass   # gone meanwhile (the next look tells), or no /proc: as alive as kill() said
     return out
 

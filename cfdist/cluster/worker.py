@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 import time
 from datetime import timedelta
@@ -69,6 +70,8 @@ class RankWorker:
         self._training = False
         self._finishing = False   # the loop returned: the final checkpoint and the barrier run
         self._ended = threading.Event()   # run() returned or raised (this attempt)
+        self._group_sockets: tuple[int, frozenset[int]] = (-1, frozenset())
+        """``(attempt, inodes)`` of the sockets the attempt's process group opened (:meth:`join`)."""
         self._role_nice = role_nice
         """A spare started at the lowest priority returns to this one when it takes a role."""
         if role_nice is not None:
@@ -167,9 +170,32 @@ class RankWorker:
         backend = "nccl" if self.use_gpu else "gloo"
         if self.use_gpu:
             torch.cuda.set_device(0)   # Ray exposes exactly this rank's GPU
+        before = _socket_inodes()
         dist.init_process_group(backend, store=self._store, rank=self.info.rank,
                                 world_size=self.info.world_size, timeout=self.timeout)
+        self._group_sockets = (self.info.attempt, _socket_inodes() - before)
         return time.perf_counter() - t0
+
+    def break_group(self, attempt: int) -> int:
+        """A peer of attempt ``attempt`` is exiting (the driver saw it in ``/proc``): make this
+        rank's collectives fail now rather than when the dying process's sockets close, once
+        the kernel has freed its memory (tens of milliseconds later; a collective waiting on
+        it blocks until then). Shuts down the sockets ``join`` saw the process group open
+        (gloo's connections to its peers: a collective then raises gloo's "Connection closed
+        by peer", as when the peer's socket closes), or aborts an NCCL group. The training
+        thread's failure then takes the usual path (:meth:`_save_live`). Not for another
+        attempt's group (a late call after this process was recycled into the next one).
+        Returns how many sockets were shut down (an NCCL abort counts 1). Any thread."""
+        attempt_of, inodes = self._group_sockets
+        if self.info is None or self.info.attempt != attempt or attempt_of != attempt or not dist.is_initialized():
+            return 0
+        if self.use_gpu:
+            dist.distributed_c10d._abort_process_group()
+            return 1
+        n = _shutdown_sockets(inodes)
+        log.info("rank %d: a peer of attempt %d is exiting: %d of its group's sockets shut down",
+                 self.info.rank, attempt, n)
+        return n
 
     def run(self, train_fn, *, tiers: dict, node_actor, policy, keep: int,
             restore_step: int | None, restore_tier: str, staged: list | None = None,
@@ -356,4 +382,48 @@ class RankWorker:
     def crash(self) -> None:
         """Die now, as a crashing process does (SIGKILL: no cleanup, no exception)."""
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _socket_inodes() -> frozenset[int]:
+    """Inodes of this process's open sockets (``/proc/self/fd``; empty without ``/proc``)."""
+    out = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return frozenset()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue   # closed meanwhile
+        if link.startswith("socket:["):
+            out.add(int(link[8:-1]))
+    return frozenset(out)
+
+
+def _shutdown_sockets(inodes) -> int:
+    """``shutdown(SHUT_RDWR)`` every open socket of this process whose inode is in ``inodes``
+    (the descriptor stays open: its owner closes it); returns how many. A blocked ``recv`` on
+    one returns at once. A listening socket is left alone: shut down, gloo's event loop fails
+    its ``accept`` and aborts the process."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(fd)
+            st = os.fstat(fd)
+            if not stat.S_ISSOCK(st.st_mode) or st.st_ino not in inodes:
+                continue
+            s = socket.socket(fileno=fd)
+        except (OSError, ValueError):
+            continue   # closed meanwhile, or not a socket
+        try:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue   # gloo's listening socket: its loop thread aborts the process on a failed accept
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass   # closed by its peer already
+        finally:
+            s.detach()   # the descriptor is gloo's
+    return n
 

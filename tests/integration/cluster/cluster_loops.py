@@ -70,8 +70,9 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
     ``kill_in=(rank, step, phase)``: in the first attempt, that rank SIGKILLs itself during that
     step, in ``phase``: ``"forward"`` (the model's forward), ``"backward"`` (the weight's gradient
     hook, before its bucket's all-reduce can start), ``"allreduce"`` (DDP's comm hook, right after
-    it launched its all-reduce) or ``"optimizer"`` (inside ``optimizer.step()``: the rank's
-    weight half updated, the rest not).
+    it launched its all-reduce), ``"optimizer"`` (inside ``optimizer.step()``: the rank's
+    weight half updated, the rest not) or ``"orphaning"`` (in the forward, after forking a child
+    that keeps its sockets open: ``<out_dir>/orphan.pid`` names it).
 
     ``hold_small=(world_size, step, event_log)``: a group of that world size does not train past
     ``step`` until the driver logged its decision to grow (a node that returns takes seconds to
@@ -88,7 +89,7 @@ def train_loop(ctx, *, steps: int, out_dir: str, every: int = 4, step_sleep_s: f
     ckpt.restore()
     doing = {"step": 0}   # the step in progress
     if kill_in is not None and ctx.attempt == 0 and ctx.rank == kill_in[0]:
-        _arm_kill(model, opt, kill_in[2], lambda: doing["step"] == kill_in[1])
+        _arm_kill(model, opt, kill_in[2], lambda: doing["step"] == kill_in[1], out_dir)
     elif kill_in is not None and kill_in[2] == "allreduce":
         model.register_comm_hook(None, _allreduce_hook(None))   # every rank runs the same hook
     log = open(os.path.join(out_dir, f"a{ctx.attempt}-r{ctx.rank}.jsonl"), "a")
@@ -155,10 +156,27 @@ def _allreduce_hook(armed):
     return hook
 
 
-def _arm_kill(model, opt, phase: str, armed) -> None:
+def _die_orphaning(pidfile: str):
+    """Fork a child that inherits every descriptor of this process (its gloo connections too:
+    they stay open, as when a data-loader worker forked after the group was formed outlives
+    its rank) and sleeps; write its pid to ``pidfile`` (the test kills it); then SIGKILL this
+    process. The peers' sockets then never see this process's end."""
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    with open(pidfile, "w") as f:
+        f.write(str(child))
+    _die()
+
+
+def _arm_kill(model, opt, phase: str, armed, out_dir: str = ".") -> None:
     """Make this rank SIGKILL itself in ``phase`` of the step for which ``armed()`` is true."""
     if phase == "forward":
         model.module.register_forward_hook(lambda *a: _die() if armed() else None)
+    elif phase == "orphaning":   # in the forward, leaving a child that holds its sockets open
+        model.module.register_forward_hook(
+            lambda *a: _die_orphaning(os.path.join(out_dir, "orphan.pid")) if armed() else None)
     elif phase == "backward":
         model.module.weight.register_hook(lambda grad: _die() if armed() else None)
     elif phase == "allreduce":

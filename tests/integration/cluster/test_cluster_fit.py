@@ -156,6 +156,35 @@ def test_a_killed_writer_whose_survivor_writes_no_checkpoints_loses_at_most_the_
     check_exactly_once(str(out), STEPS)
 
 
+def test_a_dying_rank_whose_sockets_outlive_it_does_not_hold_its_survivor_until_the_collective_timeout(
+        fake_cluster, reference, tmp_path):
+    """Rank 1 forks a child that inherits its descriptors and SIGKILLs itself in the forward of
+    step 10: its gloo connections stay open in the child (as when a data-loader worker forked
+    after the group formed outlives its rank), so rank 0's all-reduce of step 10 would wait for
+    torch.distributed's timeout (set to 10 minutes here, past the test's own timeout) and Ray
+    never hears the process end. The driver's exit watch sees rank 1's process exit in
+    ``/proc`` and breaks rank 0's group (``RankWorker.break_group``): its all-reduce fails at
+    once, it keeps step 9 in process, and the run ends bit-identical to the failure-free one,
+    data exactly once."""
+    from cfdist.cluster.config import RecoveryOptions
+
+    fake_cluster.ensure_workers(2)
+    try:
+        result, out = _fit(fake_cluster, tmp_path, "orphan", kill_in=(1, 10, "orphaning"),
+                           recovery=RecoveryOptions(rendezvous_timeout_s=600.0))
+    finally:
+        pidfile = tmp_path / "orphan-samples" / "orphan.pid"
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    assert pidfile.exists(), "rank 1 did not fork the child that holds its sockets"
+    assert result.failures == 1, result.failure_stats
+    (f,) = result.failure_stats
+    assert (f.tier, f.restored_step) == ("live", 9) and f.lost_iterations <= 1, f
+    assert result.final_step == STEPS
+    _assert_same(result.value, reference)
+    check_exactly_once(str(out), STEPS)
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer"])
 def test_a_rank_killed_in_each_phase_of_a_step_loses_at_most_that_step(fake_cluster, reference, tmp_path, phase):
     """Rank 1 SIGKILLs itself inside step 10: in the forward, in the backward (before its

@@ -57,3 +57,43 @@ def test_a_killed_process_counts_as_exited_before_and_after_it_is_reaped():
 def test_the_init_process_counts_as_alive():
     """pid 1 (init, or a container's first process) lives: it is not taken for an exited one."""
     assert exited([1]) == set()
+
+
+_BIG = r"""
+import socket, sys, time
+s = socket.socket(fileno=int(sys.argv[1]))
+x = bytearray(int(sys.argv[2]) * 2**20)   # touched: freeing it is the teardown's long part
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_process_being_torn_down_counts_as_exiting_before_its_sockets_close():
+    """A child holding 1.5 GB and one end of a socket pair is SIGKILLed: the kernel frees its
+    memory before it closes its files, so its peer sees the socket's end only tens of
+    milliseconds later (what a rank's gloo peer waits for). ``exited(exiting=True)`` (the
+    driver's exit watch: the kernel's exiting flag) reports it while the socket is still open;
+    once it is closed, and the process a zombie, both spellings report it. The child is one
+    thread: its main thread is the one that frees the memory, so it is no zombie before (in a
+    threaded process another thread may free it while the main one already is)."""
+    import select
+    import socket
+
+    a, b = socket.socketpair()
+    child = subprocess.Popen([sys.executable, "-c", _BIG, str(b.fileno()), "1536"], pass_fds=[b.fileno()],
+                             stdout=subprocess.PIPE, text=True)
+    b.close()
+    try:
+        assert child.stdout.readline().strip() == "ready", "the child did not start"
+        assert exited([child.pid], exiting=True) == set()
+        os.kill(child.pid, signal.SIGKILL)
+        _wait_for(lambda: exited([child.pid], exiting=True) == {child.pid}, "the killed child seen exiting")
+        readable, _, _ = select.select([a], [], [], 0)
+        assert not readable, "the socket closed before the watch saw the process exit"
+        readable, _, _ = select.select([a], [], [], 30)
+        assert readable and a.recv(1) == b"", "the killed child's socket did not close within 30 s"
+        _wait_for(lambda: exited([child.pid]) == {child.pid}, "the torn-down child counted as exited")
+    finally:
+        child.kill()
+        child.wait()
+        a.close()

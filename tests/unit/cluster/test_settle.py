@@ -72,7 +72,7 @@ class World:
             return got
         return {"rank": ref}
 
-    def exited(self, pids):
+    def exited(self, pids, *, exiting=False):
         self.looks.append(round(self.now, 6))
         return {p for p in pids if self.exits.get(p, float("inf")) <= self.now}
 
