@@ -344,14 +344,13 @@ class FailureInjector:
 
     def _drain(self, node_id: str, *, group, slot: int) -> None:
         """Take a node out of the cluster without removing it: its ranks (of ``group``, if it
-        still runs there) are killed, and the backend kills the rest of what runs there and
-        excludes it from scheduling (:meth:`RayBackend.drain`)."""
-        import ray
-
+        still runs there) are killed at once, as a machine's power-off kills them
+        (:meth:`RayWorkerGroup.power_off`), and the backend kills the rest of what runs there
+        and excludes it from scheduling (:meth:`RayBackend.drain`)."""
         if group is not None and slot < len(group.nodes) and group.nodes[slot].node_id == node_id:
             w = group.world_size // len(group.nodes)
             for r in range(slot * w, (slot + 1) * w):
-                ray.kill(group.actor_of(r), no_restart=True)
+                group.power_off(r)
         self.backend.drain(node_id)
 
     def _execute(self, controller, e) -> None:

@@ -8,7 +8,9 @@ its hostname. Call from the driver.
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 from dataclasses import dataclass, field
 
 from cfdist.cluster.config import NODE_PLACEHOLDER, FitConfig
@@ -74,6 +76,30 @@ _PF_EXITING = 0x4
 """The kernel's per-task flag "getting shut down" (``/proc/<pid>/stat``'s ninth field): set as a
 task starts to exit (a SIGKILL delivered, ``exit()``), before its memory is freed and long
 before its sockets are closed (tens of milliseconds for a rank's process)."""
+
+
+@functools.lru_cache(maxsize=1)
+def own_namespace() -> str | None:
+    """:func:`process_namespace` of this process (read once)."""
+    return process_namespace()
+
+
+def power_off(pid: int | None, ns: str | None) -> bool:
+    """SIGKILL the process ``pid`` at once when it shares this process's namespace (``ns``: what
+    it reported, :func:`process_namespace`), as a machine's power-off kills what runs on it; its
+    death is expected (Ray's report of it is dropped, :func:`cfdist.cluster.quiet.expect_death`).
+    Returns whether it was signalled (False: another namespace, or no such process). For the
+    failure injector: Ray's own kill of an actor lands 8-50 ms after it is asked for."""
+    from cfdist.cluster.quiet import expect_death
+
+    if not pid or ns is None or ns != own_namespace():
+        return False
+    expect_death(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def exited(pids, *, exiting: bool = False) -> set[int]:

@@ -286,7 +286,8 @@ class RayBackend:
     def drain(self, node_id: str) -> None:
         """The failure injector takes ``node_id`` out of the cluster without removing it (a
         simulated preemption; it kills the running group's ranks there itself): excluded from
-        scheduling until the injector returns it, its node actor killed and forgotten (a fresh
+        scheduling until the injector returns it, its node actor killed (SIGKILLed at once where
+        the driver sees its process, :func:`cfdist.cluster.nodes.power_off`) and forgotten (a fresh
         one, with an empty memory tier, serves it when it returns; its local disk stays), and
         the survivors of a failed group recycled there with the step they kept in process
         killed too, as :meth:`retire_group` kills those of a node excluded already (a pool
@@ -294,11 +295,13 @@ class RayBackend:
         the kill took)."""
         self.excluded.add(node_id)
         actor = self.actors.pop(node_id, None)
-        pid = self.tiers.pop(node_id, {}).get("pid")
+        tiers = self.tiers.pop(node_id, {})
+        pid, ns = tiers.get("pid"), tiers.get("ns")
         if actor is None and node_id in self._activating:   # activated at a return, taken by no group yet
             actor, ref = self._activating.pop(node_id)
-            pid = self._activated_pid(ref)
+            pid, ns = self._activated_pid(ref), None
         if actor is not None:
+            nodes_mod.power_off(pid, ns)   # at once where the driver sees it; Ray's kill lands later
             ray.kill(actor, no_restart=True)
             if pid:
                 self._killed_pids[node_id] = pid

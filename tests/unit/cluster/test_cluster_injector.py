@@ -30,6 +30,13 @@ class Group:
     def actor_of(self, rank):
         return f"actor{rank}"
 
+    def power_off(self, rank):
+        """As RayWorkerGroup.power_off: Ray's kill (its SIGKILL of a process the driver sees:
+        tests/unit/cluster/test_process_exit.py, tests/integration/cluster)."""
+        import ray
+
+        ray.kill(self.actor_of(rank), no_restart=True)
+
 
 class Backend:
     def __init__(self):

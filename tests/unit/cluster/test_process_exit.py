@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cfdist.cluster.nodes import exited, process_namespace
+from cfdist.cluster.nodes import exited, own_namespace, power_off, process_namespace
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/ns"), reason="needs Linux /proc")
 
@@ -97,3 +97,19 @@ def test_a_process_being_torn_down_counts_as_exiting_before_its_sockets_close():
         child.kill()
         child.wait()
         a.close()
+
+
+def test_power_off_kills_a_process_of_this_namespace_at_once_and_nothing_elsewhere():
+    """``power_off`` (the failure injector's kill of a simulated node's processes) SIGKILLs a
+    process that reported this namespace; one that reported another namespace (another
+    machine, where the pid names some other process) or no pid is left alone."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not power_off(child.pid, "another-boot:4026531836")
+        assert not power_off(None, own_namespace())
+        assert exited([child.pid], exiting=True) == set()
+        assert power_off(child.pid, own_namespace())
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
