@@ -318,18 +318,20 @@ class NodeCheckpointer:
             self._persisted_cv.notify_all()
         self.forget_workers(dead_pids)
 
-    def await_exit(self, pids: list[int], wait_s: float) -> list[int]:
+    def await_exit(self, pids: list[int], wait_s: float, every_s: float = 0.002) -> list[int]:
         """Which of ``pids`` (rank processes of this node, in this actor's process namespace: its
-        ``ready()["ns"]``) have exited or are exiting (:func:`~cfdist.cluster.nodes.exited`): answers as soon as one has (looking every 2 ms), or
-        with none after ``wait_s``. The driver asks after a first error, for the ranks whose
-        processes it cannot see itself (``RayWorkerGroup._settle``): Ray reports a death tens
-        of milliseconds later. Any thread."""
+        ``ready()["ns"]``) have exited or are exiting (:func:`~cfdist.cluster.nodes.exited`):
+        answers as soon as one has (looking every ``every_s``), or with none after ``wait_s``.
+        The driver asks while a group trains, for the ranks whose processes it cannot see
+        itself (``RayWorkerGroup._watch_exits``: a lease of a second, asked again), and after a
+        first error (``RayWorkerGroup._settle``): Ray reports a death tens of milliseconds
+        later. Any thread."""
         deadline = time.monotonic() + max(0.0, float(wait_s))
         while True:
             gone = exited([int(p) for p in pids], exiting=True)
             if gone or time.monotonic() >= deadline:
                 return sorted(gone)
-            time.sleep(0.002)
+            time.sleep(every_s)
 
     def kill_workers(self, pids) -> list[int]:
         """SIGKILL rank processes of this node (a frozen one too: SIGKILL needs no cooperation,

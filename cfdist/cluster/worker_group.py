@@ -63,6 +63,9 @@ processes (those in its process namespace, :attr:`RayWorkerGroup._here`): one se
 (:func:`~cfdist.cluster.nodes.exited`), its peers' groups are broken at once
 (:meth:`RankWorker.break_group`) instead of when its sockets close, tens of milliseconds later.
 A look reads one small file per rank (tens of microseconds)."""
+_WATCH_LEASE_S = 1.0
+"""How long one question to a node actor about its ranks' processes runs (it is asked again
+after an answer without an exit; the watch's end leaves at most one such question running)."""
 
 
 class RayWorkerGroup:
@@ -169,31 +172,55 @@ class RayWorkerGroup:
                 policy=self._policy, keep=self.config.keep, restore_step=self._choice.step,
                 restore_tier=self._choice.sources.get(self.nodes[node_rank].node_id, ("none", None))[0],
                 staged=None if staged is None else [staged], live_source=src)
-        if self._here and self.world_size > 1:
-            self._watch = threading.Thread(target=self._watch_exits, args=(dict(self._here),),
-                                           name="cfdist-exit-watch", daemon=True)
+        if (self._here or self._there) and self.world_size > 1:
+            self._watch = threading.Thread(target=self._watch_exits, name="cfdist-exit-watch", daemon=True)
             self._watch.start()
         return time.perf_counter() - t0
 
-    def _watch_exits(self, pids: dict[int, int]) -> None:
-        """Driver thread, while the group trains: look every :data:`_WATCH_EVERY_S` for the ranks
-        ``pids`` (rank -> pid, :attr:`_here`) whose process exits (crashed, killed, its node
-        preempted), and at the first one break every other rank's process group
-        (:meth:`RankWorker.break_group`): their collectives fail at once instead of blocking
-        until the dying process's sockets close (its memory is freed first: tens of
-        milliseconds). The failure then takes its usual path: the survivors' ``run`` raise,
-        :meth:`poll` sees them, :meth:`_settle` records the exited rank. Once per group;
-        stopped by :meth:`shutdown` (before the driver kills ranks on purpose)."""
-        gone: set[int] = set()
-        while not gone:
-            if self._watch_stop.wait(_WATCH_EVERY_S):
-                return
-            try:
-                gone = exited(pids.values(), exiting=True)
-            except Exception as e:  # noqa: BLE001 - an optimisation: the usual detection stands
-                log.warning("the exit watch of attempt %d stopped: %s", self.attempt, e)
-                return
-        dead = sorted(r for r, p in pids.items() if p in gone)
+    def _watch_exits(self) -> None:
+        """Driver thread, while the group trains: watch the ranks' processes for one that exits
+        (crashed, killed, its node preempted), and at the first break every other rank's process
+        group (:meth:`RankWorker.break_group`): their collectives fail at once instead of
+        blocking until the dying process's sockets close (its memory is freed first: tens of
+        milliseconds). The ranks the driver sees (:attr:`_here`) it looks for in ``/proc`` every
+        :data:`_WATCH_EVERY_S`; for the others it asks their node actor where that sees them
+        (:attr:`_there`; :meth:`NodeCheckpointer.await_exit`, looking as often, answering at
+        the first exit or after :data:`_WATCH_LEASE_S`, then asked again; an actor that cannot
+        answer leaves its ranks to the usual detection). The failure then takes its usual path:
+        the survivors' ``run`` raise, :meth:`poll` sees them, :meth:`_settle` records the exited
+        rank. Once per group; stopped by :meth:`shutdown` (before the driver kills ranks on
+        purpose)."""
+        w = self.config.workers_per_node
+        there: dict[int, dict[int, int]] = {}   # node rank -> {pid: rank}
+        for r, pid in self._there.items():
+            there.setdefault(r // w, {})[pid] = r
+        asks: dict = {}   # ref of a node actor's await_exit -> its node rank
+        dead: list[int] = []
+        try:
+            while not dead:
+                for nr in there.keys() - set(asks.values()):
+                    asks[self._node_actors[nr].await_exit.remote(sorted(there[nr]), _WATCH_LEASE_S,
+                                                                 _WATCH_EVERY_S)] = nr
+                ready = ray.wait(list(asks), num_returns=1, timeout=_WATCH_EVERY_S)[0] if asks else []
+                if self._watch_stop.wait(0 if asks else _WATCH_EVERY_S):
+                    return
+                gone = exited(self._here.values(), exiting=True) if self._here else set()
+                dead = [r for r, p in self._here.items() if p in gone]
+                for ref in ready:
+                    nr = asks.pop(ref)
+                    try:
+                        dead += [there[nr][p] for p in ray.get(ref) if p in there[nr]]
+                    except ray.exceptions.RayError as e:   # gone with its node: Ray's report decides
+                        log.debug("node %d's actor cannot watch its ranks: %s", nr, e)
+                        there.pop(nr)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the usual detection stands
+            log.warning("the exit watch of attempt %d stopped: %s", self.attempt, e)
+            return
+        finally:
+            if asks:   # answered within a lease: read then, or Ray prints them unread
+                _read_in_background(list(asks))
+        dead = sorted(dead)
+        gone = {p for r, p in {**self._here, **self._there}.items() if r in dead}
         self.exit_seen = {"ranks": dead, "pids": sorted(gone), "t": time.time()}
         log.info("attempt %d: rank(s) %s exiting (pid %s): breaking the other ranks' process group",
                  self.attempt, dead, sorted(gone))

@@ -156,18 +156,24 @@ def test_a_killed_writer_whose_survivor_writes_no_checkpoints_loses_at_most_the_
     check_exactly_once(str(out), STEPS)
 
 
+@pytest.mark.parametrize("seen_by", ["driver", "node actor"])
 def test_a_dying_rank_whose_sockets_outlive_it_does_not_hold_its_survivor_until_the_collective_timeout(
-        fake_cluster, reference, tmp_path):
+        fake_cluster, reference, tmp_path, monkeypatch, seen_by):
     """Rank 1 forks a child that inherits its descriptors and SIGKILLs itself in the forward of
     step 10: its gloo connections stay open in the child (as when a data-loader worker forked
     after the group formed outlives its rank), so rank 0's all-reduce of step 10 would wait for
     torch.distributed's timeout (set to 10 minutes here, past the test's own timeout) and Ray
-    never hears the process end. The driver's exit watch sees rank 1's process exit in
-    ``/proc`` and breaks rank 0's group (``RankWorker.break_group``): its all-reduce fails at
-    once, it keeps step 9 in process, and the run ends bit-identical to the failure-free one,
-    data exactly once."""
+    never hears the process end. The exit watch sees rank 1's process exit and breaks rank 0's
+    group (``RankWorker.break_group``): its all-reduce fails at once, it keeps step 9 in
+    process, and the run ends bit-identical to the failure-free one, data exactly once. Seen by
+    the driver in ``/proc`` (a one-machine run), or by the node's checkpoint actor (ranks on
+    other machines than the driver's: here the driver is made to report another process
+    namespace, so only the node actors can see the ranks' processes)."""
+    from cfdist.cluster import worker_group
     from cfdist.cluster.config import RecoveryOptions
 
+    if seen_by == "node actor":
+        monkeypatch.setattr(worker_group, "own_namespace", lambda: "another-machine:1")
     fake_cluster.ensure_workers(2)
     try:
         result, out = _fit(fake_cluster, tmp_path, "orphan", kill_in=(1, 10, "orphaning"),
