@@ -120,8 +120,6 @@ class RayWorkerGroup:
         self._hung: dict[int, str] = {}   # rank -> why it was stopped as hung
         self._watch_stop = threading.Event()
         self._watch: threading.Thread | None = None
-        self.exit_seen: dict | None = None
-        """``{"ranks", "pids", "t"}`` of the first exit the watch saw (:meth:`_watch_exits`), or None."""
         self.live_held: list[tuple] = []
         """After :meth:`recycle`: ``(node_id, actor, step)`` of each survivor that kept the live
         state of ``step`` in process (:meth:`RankWorker.recycle`)."""
@@ -198,6 +196,8 @@ class RayWorkerGroup:
         dead: list[int] = []
         try:
             while not dead:
+                if not there and not self._here:   # nobody left to watch: the usual detection decides
+                    return
                 for nr in there.keys() - set(asks.values()):
                     asks[self._node_actors[nr].await_exit.remote(sorted(there[nr]), _WATCH_LEASE_S,
                                                                  _WATCH_EVERY_S)] = nr
@@ -221,7 +221,6 @@ class RayWorkerGroup:
                 _read_in_background(list(asks))
         dead = sorted(dead)
         gone = {p for r, p in {**self._here, **self._there}.items() if r in dead}
-        self.exit_seen = {"ranks": dead, "pids": sorted(gone), "t": time.time()}
         log.info("attempt %d: rank(s) %s exiting (pid %s): breaking the other ranks' process group",
                  self.attempt, dead, sorted(gone))
         refs = []

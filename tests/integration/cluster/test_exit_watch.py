@@ -66,3 +66,51 @@ def test_a_node_actor_sees_a_ranks_process_exit_before_ray_reports_it(fake_clust
             t.join(30)
             assert not t.is_alive(), "the background reader of the sleeper's outcome did not end after its cancel"
 
+
+
+@ray.remote(num_cpus=0)
+class _Watcher:
+    """Stands in for a node actor: answers ``await_exit`` at its lease's end, nothing exited."""
+
+    def await_exit(self, pids, wait_s, every_s=0.002):
+        time.sleep(wait_s)
+        return []
+
+
+def test_the_exit_watch_ends_when_no_rank_is_left_to_watch(fake_cluster, tmp_path, monkeypatch):
+    """Every rank is on another machine and its node actor is gone: the watch thread has
+    nothing left to look at and ends, instead of waking every few milliseconds until the group
+    ends; it breaks no one's group (no rank was seen exiting)."""
+    monkeypatch.setattr(worker_group, "_WATCH_LEASE_S", 0.2)
+    watcher = _Watcher.remote()
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    broken = []
+
+    class _Rank:   # a survivor would be asked to break its group: count the asks
+        class break_group:   # noqa: N801 - mimics an actor method's .remote
+            @staticmethod
+            def remote(attempt):
+                broken.append(attempt)
+
+    try:
+        g = object.__new__(RayWorkerGroup)
+        g.config = FitConfig(storage=f"file://{tmp_path}/{{node}}", run_name="exitwatch", progress=False)
+        g.attempt = 3
+        g.workers = [_Rank()]
+        g._node_actors = [watcher]
+        g._here, g._there = {}, {0: rank.pid}
+        g._watch_stop = threading.Event()
+        t = threading.Thread(target=g._watch_exits, daemon=True)
+        t.start()
+        ray.get(watcher.await_exit.remote([], 0.0), timeout=60)   # up and answering: the watch asks it
+        ray.kill(watcher, no_restart=True)   # its node is gone
+        t.join(30)
+        alive = t.is_alive()
+        g._watch_stop.set()   # ends a watch that did not end by itself
+        t.join(10)
+        assert not alive, "the exit watch kept running with no rank left to watch (its only node actor is gone)"
+        assert broken == [], "the watch broke a group though no rank exited"
+        assert rank.poll() is None
+    finally:
+        rank.kill()
+        rank.wait()
