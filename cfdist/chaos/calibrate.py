@@ -74,6 +74,92 @@ def step_gap_spans(records: Sequence[dict]) -> list[tuple[float, float]]:
     return spans
 
 
+AFTER_FAILURE_S = 4.0
+"""Seconds after a resume that :func:`time_lost` counts as a failure's aftermath: on one machine
+the process that replaces a used warm spare starts then (Ray's worker, torch, the first DDP:
+~3 CPU-seconds), and the ranks' steps run slower until it is done."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeLost:
+    """Where a training window's time went beyond its useful iterations
+    (``window_s - useful_iters * iter_s``, the ``1 - goodput`` share), split over the step gaps:
+
+    - ``failures_s``: the gaps that span a failure (detect, restart, restore, the step made
+      after it), less the progress they made; a rollback's iterations to redo count here;
+    - ``after_failures_s``: the time the steps of the :data:`AFTER_FAILURE_S` after each resume
+      took beyond ``iter_s`` each (the replacement warm spare's start slows them on a shared
+      machine), less their checkpoint stalls;
+    - ``checkpoint_stalls_s``: what rank 0's checkpointer reported as stall (its ``stall_s``
+      grew by it: the wait for a snapshot's copy or a persist), wherever the step was;
+    - ``other_s``: the rest, the steps' own spread around the median (``iter_s``) and anything
+      else; a failure-free run loses this much too.
+    """
+
+    window_s: float
+    useful_iters: int
+    iter_s: float
+    failures_s: float
+    after_failures_s: float
+    checkpoint_stalls_s: float
+    other_s: float
+
+    @property
+    def lost_s(self) -> float:
+        """Seconds of the window beyond its useful iterations (the four parts' sum)."""
+        return self.failures_s + self.after_failures_s + self.checkpoint_stalls_s + self.other_s
+
+    def as_dict(self) -> dict:
+        return {"window_s": self.window_s, "useful_iters": self.useful_iters, "iter_s": self.iter_s,
+                "lost_s": self.lost_s, "failures_s": self.failures_s, "after_failures_s": self.after_failures_s,
+                "checkpoint_stalls_s": self.checkpoint_stalls_s, "other_s": self.other_s}
+
+
+_RECOVERY_EVENTS = frozenset({"failure", "detected", "restarted", "restored", "resumed"})
+"""A step gap with one of these between its two steps (in the log's order) spans a failure: the
+failure's record can follow the next step's (the step completed as the failure struck)."""
+
+
+def time_lost(window: Sequence[dict], iter_s: float, *, after_s: float = AFTER_FAILURE_S) -> TimeLost:
+    """Split a training window's lost time (:func:`training_window`'s records; goodput's
+    ``iter_s``) into :class:`TimeLost`'s parts. Each gap between consecutive ``step`` records
+    loses ``gap - (its steps' progress) * iter_s``: a gap with a failure's or a recovery's
+    record between its steps (:data:`_RECOVERY_EVENTS`), or whose step numbers do not follow
+    on, is the failure's; otherwise its ``stall_s`` growth is the
+    checkpoint's, and the rest is the aftermath's when it starts within ``after_s`` of the last
+    ``resumed``, else other. What precedes the first step beyond one ``iter_s`` counts as other,
+    so the parts add up to ``window_s - useful_iters * iter_s`` exactly. Pure."""
+    if not window:
+        raise ValueError("empty training window: nothing to split")
+    if not (iter_s > 0):
+        raise ValueError(f"iter_s must be positive seconds, got {iter_s!r}")
+    m = metrics_from_log(list(window), iter_s=iter_s)
+    failures = after = stalls = 0.0
+    prev = None
+    failed = False
+    resumed_t = None
+    for r in window:
+        ev = r["event"]
+        if ev in _RECOVERY_EVENTS:
+            failed = True
+            if ev == "resumed":
+                resumed_t = r["t"]
+        elif ev == "step":
+            if prev is not None:
+                loss = (r["t"] - prev["t"]) - (r["step"] - prev["step"]) * iter_s
+                if failed or r["step"] != prev["step"] + 1:
+                    failures += loss
+                else:
+                    stall = max(0.0, float(r.get("stall_s") or 0.0) - float(prev.get("stall_s") or 0.0))
+                    stalls += stall
+                    if resumed_t is not None and prev["t"] - resumed_t < after_s:
+                        after += loss - stall   # else the rest is other's (computed as the remainder)
+            prev, failed = r, False
+    other = (m.wall_s - m.useful_iters * iter_s) - failures - after - stalls
+    return TimeLost(window_s=m.wall_s, useful_iters=m.useful_iters, iter_s=iter_s, failures_s=failures,
+                    after_failures_s=after, checkpoint_stalls_s=stalls, other_s=other)
+
+
 def step_gaps(records: Sequence[dict]) -> list[float]:
     """Seconds between consecutive steps (``n`` then ``n+1``) of one attempt (no failure between)."""
     return [b - a for a, b in step_gap_spans(records)]

@@ -6,8 +6,9 @@ from the files it writes (matplotlib is imported only to draw).
 
 The markdown has the shape of CheckFreq's (FAST'21) tables at small scale: one end-to-end table
 (goodput measured and simulated, lost work per failure), one recovery-time table that splits
-each failure's recovery into detect, wait, restart, restore and catch-up, and the lost work per
-failure by kind and by where the run resumed from.
+each failure's recovery into detect, wait, restart, restore and catch-up, the lost work per
+failure by kind and by where the run resumed from, and where each run's lost time went
+(:class:`~cfdist.chaos.calibrate.TimeLost`: failures, their aftermath, checkpoint stalls, the rest).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cfdist.chaos.calibrate import CostSample, Prediction
+from cfdist.chaos.calibrate import AFTER_FAILURE_S, CostSample, Prediction, TimeLost
 from cfdist.chaos.metrics import PHASES, RunMetrics
 from cfdist.chaos.simulator import Costs
 
@@ -51,6 +52,8 @@ class PolicyRun:
     """Wall seconds of the whole ``cfdist.fit`` call (start-up and tear-down included)."""
     final_step: int
     """Steps of the final state (the run's target)."""
+    time_lost: TimeLost | None = None
+    """Where the window's time beyond its useful iterations went (:func:`~cfdist.chaos.calibrate.time_lost`)."""
 
     @property
     def label(self) -> str:
@@ -77,6 +80,8 @@ class ExperimentResult:
     """The failure events (seconds from the first group's start)."""
     files: dict = dataclasses.field(default_factory=dict)
     """Paths written by :func:`write_report` (name -> path)."""
+    baseline_time_lost: TimeLost | None = None
+    """The failure-free run's lost time, split the same way (all of it its steps' spread)."""
 
     @property
     def max_abs_error(self) -> float:
@@ -106,6 +111,10 @@ def _failure_dict(f, k) -> dict:
             **{f"{p}_s": _round(f.phase_s(p), 3) for p in PHASES}, "recovery_s": _round(f.recovery_s, 3)}
 
 
+def _lost_dict(t: TimeLost | None) -> dict | None:
+    return None if t is None else {k: _round(v, 4) for k, v in t.as_dict().items()}
+
+
 def run_dict(r: PolicyRun) -> dict:
     """A JSON-able summary of one policy's run."""
     m, p, x = r.measured, r.prediction, r.cross_prediction
@@ -121,6 +130,7 @@ def run_dict(r: PolicyRun) -> dict:
         "phase_means_s": {k: _round(v, 3) for k, v in m.phase_means().items()},
         "wasted_worker_s": _round(m.wasted_worker_s, 2),
         "per_failure": [_failure_dict(f, k) for f, k in zip(m.failures, r.k_at_failures)],
+        "time_lost": _lost_dict(r.time_lost),
         "simulated": {"policy": r.sim_policy, "k": p.sim.k, "useful_iters": p.sim.useful_iters,
                       "failures": p.sim.num_failures, "lost_iters_mean": _round(p.sim.lost_iters_mean, 2),
                       "recovery_s_mean": _round(p.sim.recovery_s_mean, 3)},
@@ -135,7 +145,7 @@ def results_dict(res: ExperimentResult) -> dict:
         "iter_s": _round(res.iter_s, 5),
         "baseline": None if res.baseline is None else {
             "label": res.baseline.label, "steps": res.baseline.useful_iters, "window_s": _round(res.baseline.wall_s, 3),
-            "goodput": _round(res.baseline.goodput)},
+            "goodput": _round(res.baseline.goodput), "time_lost": _lost_dict(res.baseline_time_lost)},
         "costs": {k: _round(v, 5) for k, v in dataclasses.asdict(res.costs).items()},
         "cost_sample": dataclasses.asdict(res.cost_sample),
         "schedule": list(res.schedule),
@@ -189,6 +199,7 @@ def markdown(res: ExperimentResult) -> str:
         for row in r.measured.lost_by_kind():
             lines.append(f"| {r.policy} | {row['kind']} | {row['tier'] or '-'} | {row['failures']} | "
                          f"{row['lost_iters_mean']:.1f} ({row['lost_iters_max']}) |")
+    lines += time_lost_lines([(r.policy, r.time_lost) for r in res.runs], res.baseline_time_lost)
     s = res.cost_sample
     lines += [
         "",
@@ -201,6 +212,36 @@ def markdown(res: ExperimentResult) -> str:
         f"{res.max_abs_error:.0%} with each run's own costs, {res.max_abs_cross_error:.0%} with the other runs'.",
     ]
     return "\n".join(lines) + "\n"
+
+
+_LOST_PARTS = ("failures_s", "after_failures_s", "checkpoint_stalls_s", "other_s")
+
+
+def _num(x: float, nd: int) -> str:
+    """``x`` to ``nd`` decimals, never "-0.00" (a sum's rounding noise)."""
+    out = f"{x:.{nd}f}"
+    return out[1:] if out.startswith("-") and float(out) == 0 else out
+
+
+def time_lost_lines(rows: Sequence[tuple[str, TimeLost | None]], baseline: TimeLost | None = None, *,
+                    what: str = "") -> list[str]:
+    """A markdown table of where each run's lost time went (:class:`TimeLost`), the failure-free
+    run's last; nothing when no run has it. ``what``: the table's subject (e.g. medians)."""
+    rows = [(name, t) for name, t in rows if t is not None] + ([("no failures", baseline)] if baseline else [])
+    if not rows:
+        return []
+    out = ["", f"Where the time went{what}: seconds of the training window beyond its useful iterations x "
+               f"iteration time (the 1 - goodput share), split over the step gaps. Failures: the gaps that span "
+               f"one (detect, restart, restore; a rollback's iterations to redo). After failures: the steps of "
+               f"the {AFTER_FAILURE_S:g} s after each resume beyond the iteration time (a replacement warm "
+               f"spare starts then). Checkpoint stalls: what rank 0's checkpointer waited. Other: the rest, "
+               f"the steps' own spread (all the failure-free run loses).", "",
+           "| run | window s | lost s | failures | after failures | checkpoint stalls | other |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, t in rows:
+        out.append(f"| {name} | {t.window_s:.2f} | {_num(t.lost_s, 3)} | "
+                   + " | ".join(_num(getattr(t, p), 3) for p in _LOST_PARTS) + " |")
+    return out
 
 
 def write_report(res: ExperimentResult, out_dir: str, *, title: str = "") -> dict[str, str]:
@@ -273,6 +314,13 @@ class RepeatedPolicy:
     """Every interruption's lost iterations, all repetitions pooled."""
     recovery_s: tuple[float, ...]
     """Every interruption's recovery seconds (failure to resumed progress), pooled."""
+    time_lost: tuple[TimeLost, ...] = ()
+    """Each repetition's :class:`TimeLost` (those that have one)."""
+
+    def time_lost_median(self) -> TimeLost | None:
+        """Each part's median over the repetitions (so the parts need not add up to ``lost_s``'s
+        median exactly); None without any."""
+        return median_time_lost(self.time_lost)
 
     @property
     def failures(self) -> int:
@@ -292,6 +340,20 @@ def _median(xs) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
+def median_time_lost(ts: Sequence[TimeLost]) -> TimeLost | None:
+    """A :class:`TimeLost` of each field's median over ``ts`` (None when empty)."""
+    if not ts:
+        return None
+    return TimeLost(window_s=_median([t.window_s for t in ts]), useful_iters=int(_median([t.useful_iters for t in ts])),
+                    iter_s=_median([t.iter_s for t in ts]),
+                    **{p: _median([getattr(t, p) for t in ts]) for p in _LOST_PARTS})
+
+
+def baseline_time_lost(results: Sequence[ExperimentResult]) -> TimeLost | None:
+    """The failure-free runs' :class:`TimeLost`, each field's median over the repetitions."""
+    return median_time_lost([res.baseline_time_lost for res in results if res.baseline_time_lost is not None])
+
+
 def repeated(results: Sequence[ExperimentResult]) -> list[RepeatedPolicy]:
     """Each policy's figures over ``results`` (the repetitions, in order), in the config's
     order. Raises ``ValueError`` when the repetitions did not run the same policies."""
@@ -307,7 +369,8 @@ def repeated(results: Sequence[ExperimentResult]) -> list[RepeatedPolicy]:
         out.append(RepeatedPolicy(
             policy=name, goodputs=tuple(r.measured.goodput for r in runs), ks=tuple(r.k for r in runs),
             lost_iters=tuple(f.lost_iters for r in runs for f in r.measured.failures),
-            recovery_s=tuple(f.recovery_s for r in runs for f in r.measured.failures)))
+            recovery_s=tuple(f.recovery_s for r in runs for f in r.measured.failures),
+            time_lost=tuple(r.time_lost for r in runs if r.time_lost is not None)))
     return out
 
 
@@ -338,7 +401,7 @@ def _baseline_range(goodputs: Sequence[float]) -> str:
 
 
 def repeats_markdown(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = (),
-                     iters: Sequence[float] = ()) -> str:
+                     iters: Sequence[float] = (), baseline_lost: TimeLost | None = None) -> str:
     """The repetitions' table: goodput median and range, k per repetition, pooled failures;
     ``baseline``: the failure-free runs' own goodputs (:func:`baseline_goodputs`), for comparison;
     ``iters``: each repetition's ideal iteration time (:func:`ideal_iterations`), the yardstick's spread."""
@@ -358,6 +421,8 @@ def repeats_markdown(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] =
         lines += ["", f"The failure-free runs by the same measure: {_baseline_range(baseline)} ({_YARDSTICK})."]
     if len(iters) > 1:
         lines += ["", _ideal_text(iters)]
+    lines += time_lost_lines([(r.policy, r.time_lost_median()) for r in rows], baseline_lost,
+                             what=" (each figure's median over the repetitions)")
     return "\n".join(lines) + "\n"
 
 
@@ -370,28 +435,41 @@ def write_repeats(results: Sequence[ExperimentResult], out_dir: str) -> dict[str
     os.makedirs(out_dir, exist_ok=True)
     files = {name: os.path.join(out_dir, name) for name in ("repeats.md", "repeats.json")}
     with open(files["repeats.md"], "w", encoding="utf-8") as f:
-        f.write(repeats_markdown(rows, base, iters))
+        f.write(repeats_markdown(rows, base, iters, baseline_time_lost(results)))
     data = {"repetitions": [res.files.get("results.json") for res in results],
             "baseline_goodputs": [_round(g) for g in base],
             "ideal_iteration_s": [_round(x, 6) for x in iters],
             "policies": [{"policy": r.policy, "goodput_median": _round(r.goodput_median),
                           "goodputs": [_round(g) for g in r.goodputs], "ks": list(r.ks), "failures": r.failures,
                           "lost_iters": list(r.lost_iters), "recovery_s_median": _round(r.recovery_s_median),
-                          "recovery_s": [_round(x) for x in r.recovery_s]} for r in rows]}
+                          "recovery_s": [_round(x) for x in r.recovery_s],
+                          "time_lost_median": _lost_dict(r.time_lost_median())} for r in rows],
+            "baseline_time_lost_median": _lost_dict(baseline_time_lost(results))}
     with open(files["repeats.json"], "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
     return files
 
 
+def _lost_text(t: TimeLost) -> str:
+    return (f"time lost median {_num(t.lost_s, 2)}s: failures {_num(t.failures_s, 2)}, after failures "
+            f"{_num(t.after_failures_s, 2)}, checkpoint stalls {_num(t.checkpoint_stalls_s, 2)}, other {_num(t.other_s, 2)}")
+
+
 def repeat_lines(rows: Sequence[RepeatedPolicy], baseline: Sequence[float] = (),
-                 iters: Sequence[float] = ()) -> list[str]:
-    """One console line per policy over the repetitions; with ``baseline`` (the failure-free
-    runs' own goodputs), first a line for them; with two or more ``iters``, last the spread of
-    the repetitions' ideal iteration times (:func:`ideal_iterations`)."""
-    first = [f"{'no failures':<12} goodput {_baseline_range(baseline)} (the failure-free runs by the same measure)"] \
-        if baseline else []
+                 iters: Sequence[float] = (), baseline_lost: TimeLost | None = None) -> list[str]:
+    """One console line per policy over the repetitions (and one of where its lost time went,
+    :class:`TimeLost` medians, where known); with ``baseline`` (the failure-free runs' own
+    goodputs), first a line for them (``baseline_lost``: their lost time); with two or more
+    ``iters``, last the spread of the repetitions' ideal iteration times (:func:`ideal_iterations`)."""
+    first = [f"{'no failures':<12} goodput {_baseline_range(baseline)} (the failure-free runs by the same measure)"
+             + (f"; {_lost_text(baseline_lost)}" if baseline_lost is not None else "")] if baseline else []
     last = [_ideal_text(iters)] if len(iters) > 1 else []
-    return first + [f"{r.policy:<12} goodput median {r.goodput_median:.3f} ({min(r.goodputs):.3f}-{max(r.goodputs):.3f} "
-            f"over {len(r.goodputs)} runs)  failures {r.failures}  lost it. max "
-            f"{max(r.lost_iters) if r.lost_iters else '-'}  recovery median "
-            f"{r.recovery_s_median:.2f}s" for r in rows] + last
+    out = []
+    for r in rows:
+        out.append(f"{r.policy:<12} goodput median {r.goodput_median:.3f} ({min(r.goodputs):.3f}-{max(r.goodputs):.3f} "
+                   f"over {len(r.goodputs)} runs)  failures {r.failures}  lost it. max "
+                   f"{max(r.lost_iters) if r.lost_iters else '-'}  recovery median {r.recovery_s_median:.2f}s")
+        t = r.time_lost_median()
+        if t is not None:
+            out.append(f"{'':<12} {_lost_text(t)}")
+    return first + out + last

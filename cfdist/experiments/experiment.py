@@ -50,12 +50,13 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from cfdist.chaos.calibrate import (
-    iteration_time, k_at, measure_costs, predict, reported_k, training_window, window_metrics,
+    iteration_time, k_at, measure_costs, predict, reported_k, time_lost, training_window, window_metrics,
 )
 from cfdist.chaos.events import FailureEvent
 from cfdist.chaos.metrics import read_event_log
 from cfdist.chaos.report import (
-    ExperimentResult, PolicyRun, baseline_goodputs, ideal_iterations, repeat_lines, repeated, summary_lines,
+    ExperimentResult, PolicyRun, baseline_goodputs, baseline_time_lost, ideal_iterations, repeat_lines, repeated,
+    summary_lines,
     write_repeats, write_report,
 )
 from cfdist.chaos.schedules import Exponential, FixedInterval, Merged
@@ -421,7 +422,8 @@ def run_repeated(config: ExperimentConfig, repeat: int, *,
         results.append(run_experiment(sub, log=log))
     files = write_repeats(results, config.out_dir)
     log(f"over {repeat} repetitions:")
-    for line in repeat_lines(repeated(results), baseline_goodputs(results), ideal_iterations(results)):
+    for line in repeat_lines(repeated(results), baseline_goodputs(results), ideal_iterations(results),
+                             baseline_time_lost(results)):
         log(line)
     log(f"wrote {files['repeats.md']} and {files['repeats.json']}")
     return results
@@ -510,10 +512,12 @@ def analyse(config: ExperimentConfig, schedule, logs: dict, out: str) -> Experim
             k_fail = tuple(k_at(windows[spec], [f.time_s for f in m.failures]))
         runs.append(PolicyRun(policy=spec, k=ks[spec], measured=m, k_at_failures=k_fail, prediction=pred,
                               cross_prediction=xpred, costs=own, sim_policy=repr(sp),
-                              event_log=fit_result.event_log, fit_wall_s=took, final_step=fit_result.final_step))
+                              event_log=fit_result.event_log, fit_wall_s=took, final_step=fit_result.final_step,
+                              time_lost=time_lost(windows[spec], iter_s)))
     sched = tuple({k: v for k, v in dataclasses.asdict(e).items() if v is not None} for e in events)
     return ExperimentResult(config=dataclasses.asdict(config), iter_s=iter_s, baseline=baseline, costs=costs,
-                            cost_sample=sample, runs=tuple(runs), schedule=sched)
+                            cost_sample=sample, runs=tuple(runs), schedule=sched,
+                            baseline_time_lost=time_lost(windows["baseline"], iter_s) if "baseline" in windows else None)
 
 
 def _title(c: ExperimentConfig) -> str:

@@ -10,7 +10,8 @@ import pytest
 
 from cfdist.chaos import Costs, FailureEvent, FixedK, Merged, commit_latencies, parse_event_log
 from cfdist.chaos.calibrate import (
-    iteration_time, k_at, measure_costs, predict, reported_k, step_gaps, training_window, window_metrics,
+    iteration_time, k_at, measure_costs, predict, reported_k, step_gaps, time_lost, training_window,
+    window_metrics,
 )
 from cfdist.chaos.schedules import Exponential, FixedInterval
 from cfdist.chaos.simulator import simulate
@@ -236,3 +237,77 @@ def test_a_noticed_preemption_is_detected_after_notice_detect_s():
     (seen,) = simulate(events, FixedK(k=4), costs=dataclass_replace(costs, notice_detect_s=1.5), nodes=1,
                        horizon_s=30.0).failures
     assert (instant.detect_s, seen.detect_s) == (0.0, 1.5)   # never the crashes' 5 s
+
+
+def _window(gaps, *, iter_s=0.1, stalls=None, between=None, steps=None):
+    """A training window as :func:`training_window` makes it: a start one ``iter_s`` before step
+    1, a step record after each of ``gaps`` (step numbers ``steps``, default 1, 2, ...),
+    ``stalls[i]``: rank 0's cumulative stall at step i, ``between[i]``: records (event, dt)
+    written after step i (dt seconds after it), an end at the last step."""
+    recs = [{"t": 0.0, "event": "start"}]
+    t = 0.0
+    steps = steps or list(range(1, len(gaps) + 1))
+    for i, (g, s) in enumerate(zip(gaps, steps)):
+        t += g
+        recs.append({"t": round(t, 6), "event": "step", "step": s, "stall_s": (stalls or {}).get(i, 0.0)})
+        for ev, dt, kw in (between or {}).get(i, ()):
+            recs.append({"t": round(t + dt, 6), "event": ev, **kw})
+    recs.append({"t": round(t, 6), "event": "end", "step": steps[-1]})
+    return recs
+
+
+def _parts_add_up(tl, window, iter_s=0.1):
+    m = window_metrics(window, iter_s=iter_s, label="x")
+    assert tl.window_s == pytest.approx(m.wall_s) and tl.useful_iters == m.useful_iters
+    assert tl.lost_s == pytest.approx(m.wall_s - m.useful_iters * iter_s)
+    assert 1 - tl.lost_s / tl.window_s == pytest.approx(m.goodput)
+
+
+def test_time_lost_of_a_failure_free_run_is_its_steps_spread_and_its_stalls():
+    # step 1 begins at the window's start; steps 4 and 7 run slow, step 9 fast; step 6 stalls 0.02 s
+    gaps = [0.1, 0.1, 0.1, 0.13, 0.1, 0.1, 0.125, 0.1, 0.09, 0.1]
+    w = _window(gaps, stalls={i: (0.02 if i >= 6 else 0.0) for i in range(10)})
+    tl = time_lost(w, 0.1)
+    assert tl.failures_s == 0.0 and tl.after_failures_s == 0.0
+    assert tl.checkpoint_stalls_s == pytest.approx(0.02)   # counted once, at the step it grew
+    assert tl.other_s == pytest.approx(0.03 + 0.005 - 0.01)
+    _parts_add_up(tl, w)
+
+
+def test_time_lost_splits_a_live_recovery_its_aftermath_and_the_rest():
+    # steps 1-10 of 0.1 s; a failure after step 10; step 11 comes 0.35 s after step 10 (recovery);
+    # the three steps that start within 0.25 s of the resume take 0.11 s; then 0.1 s, one 0.12
+    rec = [("failure", 0.05, {"kind": "crash", "step": 10}), ("detected", 0.09, {}),
+           ("restarted", 0.15, {}), ("restored", 0.3, {"step": 10}), ("resumed", 0.35, {"step": 11})]
+    gaps = [0.1] * 10 + [0.35, 0.11, 0.11, 0.11, 0.1, 0.12, 0.1]
+    w = _window(gaps, between={9: rec}, stalls={i: 0.004 for i in range(10)})   # a new process: stall from 0
+    tl = time_lost(w, 0.1, after_s=0.25)
+    assert tl.failures_s == pytest.approx(0.25)
+    assert tl.after_failures_s == pytest.approx(0.03)
+    assert tl.checkpoint_stalls_s == pytest.approx(0.0)   # the stall counter restarted: no growth, none counted
+    assert tl.other_s == pytest.approx(0.02)
+    _parts_add_up(tl, w)
+
+
+def test_time_lost_counts_both_gaps_of_a_failure_that_struck_as_a_step_completed_and_a_rollback():
+    # As in a real log: the failure struck just before step 5 completed (its record lies between
+    # steps 4 and 5), the recovery's records lie between step 5 and the next step, which
+    # restored step 3 (a rollback: steps 4 and 5 are done again).
+    gaps = [0.1, 0.1, 0.1, 0.1, 0.12, 0.3, 0.1, 0.1, 0.1]
+    w = _window(gaps, steps=[1, 2, 3, 4, 5, 4, 5, 6, 7], between={
+        3: [("failure", 0.119, {"kind": "crash", "step": 4})],
+        4: [("detected", 0.05, {}), ("restarted", 0.1, {}), ("restored", 0.2, {"step": 3}),
+            ("resumed", 0.3, {"step": 4})]})
+    tl = time_lost(w, 0.1, after_s=0.0)
+    # step 5's gap ran 0.02 s late; the recovery's gap: 0.3 s, going back from step 5 to step 4
+    # (0.2 s of recovery, then the redone step 4, and step 5 to do again: 0.1 s more)
+    assert tl.failures_s == pytest.approx(0.02 + 0.3 + 0.1)
+    assert tl.other_s == pytest.approx(0.0) and tl.after_failures_s == 0.0
+    _parts_add_up(tl, w)
+
+
+def test_time_lost_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="empty training window"):
+        time_lost([], 0.1)
+    with pytest.raises(ValueError, match="iter_s must be positive"):
+        time_lost(_window([0.1, 0.1]), 0.0)

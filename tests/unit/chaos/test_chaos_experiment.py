@@ -16,7 +16,9 @@ from chaos_eventlog import started
 from cfdist.experiments.experiment import (
     ExperimentConfig, FirstFailures, analyse, build_schedule, make_policy, main, sim_policy,
 )
-from cfdist.chaos.report import baseline_goodputs, markdown, repeated, write_repeats, write_report
+from cfdist.chaos.report import (
+    baseline_goodputs, baseline_time_lost, markdown, repeat_lines, repeated, write_repeats, write_report,
+)
 from cfdist.experiments import experiment as experiment_mod
 from cfdist.chaos.simulator import EpochBoundary, FixedK
 
@@ -152,6 +154,17 @@ def test_report_writes_json_tables_and_figures(tmp_path):
     # the failure-free run's own score by the same measure, for comparison
     assert "the failure-free run (30 steps) scores 1.000 by the same measure" in md
     assert data["baseline"]["goodput"] == 1.0
+    # where each run's lost time went: the auto run's crash after step 13 rolled back to step 12
+    # (1 iteration) after 0.01 + 0.1 + 2.0 + 1.0 s; its steps ran exactly 0.1 s otherwise
+    lost = res.run("auto").time_lost
+    assert lost.failures_s == pytest.approx(0.01 + 0.1 + 2.0 + 1.0 + 0.1 + 0.1 - 0.1)
+    assert (lost.after_failures_s, lost.checkpoint_stalls_s, lost.other_s) == pytest.approx((0.0, 0.0, 0.0), abs=1e-9)
+    assert lost.lost_s == pytest.approx(res.run("auto").measured.wall_s * (1 - res.run("auto").measured.goodput))
+    assert run["time_lost"]["failures_s"] == pytest.approx(lost.failures_s, abs=1e-4)
+    assert data["baseline"]["time_lost"]["lost_s"] == pytest.approx(0.0, abs=1e-4)
+    assert "Where the time went:" in md
+    assert f"| auto | {lost.window_s:.2f} | {lost.lost_s:.3f} | {lost.failures_s:.3f} | 0.000 | 0.000 | 0.000 |" in md, md
+    assert "| no failures | 3.00 | 0.000 | 0.000 | 0.000 | 0.000 | 0.000 |" in md, md
     for name in ("summary.png", "progress.png", "goodput.png", "lost_work.png", "recovery.png"):
         assert open(files[name], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -210,6 +223,18 @@ def test_repetitions_report_each_policys_median_goodput_and_range_and_pool_the_f
     assert [p["policy"] for p in data["policies"]] == ["every:5", "auto"]
     assert data["policies"][1]["failures"] == 3 and data["policies"][1]["lost_iters"] == [1, 1, 1]
     assert len(data["repetitions"]) == 3
+    # where the lost time went, each part's median over the repetitions: the middle restart's
+    fails = sorted(res.run("auto").time_lost.failures_s for res in results)
+    assert auto.time_lost_median().failures_s == pytest.approx(fails[1])
+    assert data["policies"][1]["time_lost_median"]["failures_s"] == pytest.approx(fails[1], abs=1e-4)
+    assert data["baseline_time_lost_median"]["lost_s"] == pytest.approx(0.0, abs=1e-4)
+    assert "Where the time went (each figure's median over the repetitions)" in md
+    assert f"| auto | {auto.time_lost_median().window_s:.2f} | " in md
+    lines = repeat_lines(rows, baseline_goodputs(results), (), baseline_time_lost(results))
+    assert lines[0].endswith("time lost median 0.00s: failures 0.00, after failures 0.00, checkpoint stalls 0.00, "
+                             "other 0.00"), lines
+    assert lines[-1].strip() == f"time lost median {auto.time_lost_median().lost_s:.2f}s: failures {fails[1]:.2f}, " \
+                                "after failures 0.00, checkpoint stalls 0.00, other 0.00", lines
 
 
 def test_repetitions_report_how_far_their_ideal_iteration_times_lie_apart(tmp_path):
@@ -256,7 +281,8 @@ def test_run_repeated_runs_the_whole_experiment_n_times_each_into_its_own_direct
     c = ExperimentConfig(policies=("every:5", "auto"), out_dir=str(out))
     results = experiment_mod.run_repeated(c, 3, log=lines.append)
     assert seen == [str(out / f"repeat-{i}") for i in (1, 2, 3)] and len(results) == 3
-    assert lines[0] == "=== repetition 1/3" and "over 3 runs" in lines[-3] and lines[-1].endswith("repeats.json")
+    assert lines[0] == "=== repetition 1/3" and "over 3 runs" in lines[-4] and lines[-1].endswith("repeats.json")
+    assert lines[-3].strip().startswith("time lost median")
     assert lines[-2].startswith("Each repetition's ideal iteration time"), lines
     assert any(line.startswith("no failures  goodput median 1.000") for line in lines), lines
     assert (out / "repeats.md").exists() and (out / "repeats.json").exists()
