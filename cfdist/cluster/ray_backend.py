@@ -299,7 +299,8 @@ class RayBackend:
         pid, ns = tiers.get("pid"), tiers.get("ns")
         if actor is None and node_id in self._activating:   # activated at a return, taken by no group yet
             actor, ref = self._activating.pop(node_id)
-            pid, ns = self._activated_pid(ref), None
+            answer = self._activated(ref)
+            pid, ns = answer.get("pid"), answer.get("ns")
         if actor is not None:
             nodes_mod.power_off(pid, ns)   # at once where the driver sees it; Ray's kill lands later
             ray.kill(actor, no_restart=True)
@@ -328,16 +329,17 @@ class RayBackend:
             self._activating[node_id] = (standby, standby.activate.remote(after_pids=self._after_kill(node_id)))
 
     @staticmethod
-    def _activated_pid(ref) -> int | None:
-        """The pid an activation answered with, if it has answered (None: not yet, or failed)."""
+    def _activated(ref) -> dict:
+        """What an activation answered (:meth:`NodeCheckpointer.ready`: its ``pid`` and ``ns``
+        among them), if it has answered; ``{}`` if not yet, or if it failed."""
         ready, _ = ray.wait([ref], num_returns=1, timeout=0)
         if not ready:
             _read_in_background([ref])
-            return None
+            return {}
         try:
-            return ray.get(ref).get("pid")
+            return ray.get(ref)
         except ray.exceptions.RayError:
-            return None
+            return {}
 
     # ---- warm spare ranks ------------------------------------------------------------------------
     def _refill_spares(self, nodes: list[NodeInfo], *, warm: bool = True) -> None:

@@ -1373,7 +1373,7 @@ def test_standbys_and_new_spares_prepare_at_the_lowest_priority_and_return_to_th
 
 
 def test_a_drained_node_that_returns_has_its_standby_activated_at_once_once_its_old_actor_is_gone(
-        fake_cluster, tmp_path):
+        fake_cluster, tmp_path, monkeypatch):
     """The failure injector's simulated preemption drains a node (its checkpoint actor killed)
     and returns it, in the experiment in the same instant. ``RayBackend.undrain`` activates the
     node's standby right then, without waiting for it, so that the recovery's ``holdings`` finds
@@ -1381,8 +1381,10 @@ def test_a_drained_node_that_returns_has_its_standby_activated_at_once_once_its_
     sweeping the local disk). The activation opens the tiers only once the killed actor is gone
     (its memory directory is removed, not left to a process still writing there); the next
     ``_ensure_actors`` takes the activated standby as the node's actor. Drained again before a
-    group took it, the activated standby is killed like the node's actor, and a fresh one
-    serves the node at its next return. Real actors."""
+    group took it, the activated standby is killed like the node's actor (SIGKILLed at once:
+    Ray's own kill lands tens of milliseconds later, and a call that reached the actor before it
+    would still be answered), and a fresh one serves the node at its next return. Real actors."""
+    from cfdist.cluster.nodes import exited
     from cfdist.cluster.config import FitConfig
     from cfdist.cluster.node_actor import memory_root
     from cfdist.cluster.ray_backend import RayBackend
@@ -1422,9 +1424,16 @@ def test_a_drained_node_that_returns_has_its_standby_activated_at_once_once_its_
         backend.undrain(nid)
         _, ref = backend._activating[nid]
         spid = ray.get(ref, timeout=60)["pid"]
-        backend.drain(nid)
+        with monkeypatch.context() as m:   # Ray's kill held back: only the drain's own SIGKILL can end it
+            m.setattr(ray, "kill", lambda *a, **k: None)
+            backend.drain(nid)
         assert nid not in backend._activating and nid not in backend.actors
         assert backend._killed_pids[nid] == spid, "the killed standby's process would not be waited for"
+        try:
+            wait_for(lambda: spid in exited([spid]), timeout_s=30)
+        except TimeoutError:
+            pytest.fail(f"the activated standby (pid {spid}) was not SIGKILLed by the drain itself")
+        ray.kill(second, no_restart=True)   # the kill the drain asked of Ray, held back above
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(second.ready.remote(), timeout=60)
         backend.undrain(nid)
