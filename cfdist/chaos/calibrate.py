@@ -120,7 +120,8 @@ _RECOVERY_EVENTS = frozenset({"failure", "detected", "restarted", "restored", "r
 failure's record can follow the next step's (the step completed as the failure struck)."""
 
 
-def time_lost(window: Sequence[dict], iter_s: float, *, after_s: float = AFTER_FAILURE_S) -> TimeLost:
+def time_lost(window: Sequence[dict], iter_s: float, *, after_s: float = AFTER_FAILURE_S,
+              metrics: RunMetrics | None = None) -> TimeLost:
     """Split a training window's lost time (:func:`training_window`'s records; goodput's
     ``iter_s``) into :class:`TimeLost`'s parts. Each gap between consecutive ``step`` records
     loses ``gap - (its steps' progress) * iter_s``: a gap with a failure's or a recovery's
@@ -128,12 +129,19 @@ def time_lost(window: Sequence[dict], iter_s: float, *, after_s: float = AFTER_F
     on, is the failure's; otherwise its ``stall_s`` growth is the
     checkpoint's, and the rest is the aftermath's when it starts within ``after_s`` of the last
     ``resumed``, else other. What precedes the first step beyond one ``iter_s`` counts as other,
-    so the parts add up to ``window_s - useful_iters * iter_s`` exactly. Pure."""
+    so the parts add up to ``window_s - useful_iters * iter_s`` exactly. ``metrics``: the same
+    window's :func:`window_metrics` at the same ``iter_s``, when the caller has built it already
+    (else built here). Pure."""
     if not window:
         raise ValueError("empty training window: nothing to split")
     if not (iter_s > 0):
         raise ValueError(f"iter_s must be positive seconds, got {iter_s!r}")
-    m = metrics_from_log(list(window), iter_s=iter_s)
+    if metrics is None:
+        m = metrics_from_log(list(window), iter_s=iter_s)
+    elif metrics.iter_s != iter_s:
+        raise ValueError(f"metrics were measured against iter_s={metrics.iter_s!r}, not {iter_s!r}")
+    else:
+        m = metrics
     failures = after = stalls = 0.0
     prev = None
     failed = False

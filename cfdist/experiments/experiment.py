@@ -513,11 +513,12 @@ def analyse(config: ExperimentConfig, schedule, logs: dict, out: str) -> Experim
         runs.append(PolicyRun(policy=spec, k=ks[spec], measured=m, k_at_failures=k_fail, prediction=pred,
                               cross_prediction=xpred, costs=own, sim_policy=repr(sp),
                               event_log=fit_result.event_log, fit_wall_s=took, final_step=fit_result.final_step,
-                              time_lost=time_lost(windows[spec], iter_s)))
+                              time_lost=time_lost(windows[spec], iter_s, metrics=m)))
     sched = tuple({k: v for k, v in dataclasses.asdict(e).items() if v is not None} for e in events)
     return ExperimentResult(config=dataclasses.asdict(config), iter_s=iter_s, baseline=baseline, costs=costs,
                             cost_sample=sample, runs=tuple(runs), schedule=sched,
-                            baseline_time_lost=time_lost(windows["baseline"], iter_s) if "baseline" in windows else None)
+                            baseline_time_lost=time_lost(windows["baseline"], iter_s, metrics=baseline)
+                            if baseline is not None else None)
 
 
 def _title(c: ExperimentConfig) -> str:

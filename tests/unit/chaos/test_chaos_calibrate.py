@@ -287,6 +287,8 @@ def test_time_lost_splits_a_live_recovery_its_aftermath_and_the_rest():
     assert tl.checkpoint_stalls_s == pytest.approx(0.0)   # the stall counter restarted: no growth, none counted
     assert tl.other_s == pytest.approx(0.02)
     _parts_add_up(tl, w)
+    # the window's metrics, built already by the caller (the experiment's analysis), give the same split
+    assert time_lost(w, 0.1, after_s=0.25, metrics=window_metrics(w, iter_s=0.1, label="x")) == tl
 
 
 def test_time_lost_counts_both_gaps_of_a_failure_that_struck_as_a_step_completed_and_a_rollback():
@@ -311,3 +313,6 @@ def test_time_lost_refuses_what_it_cannot_split():
         time_lost([], 0.1)
     with pytest.raises(ValueError, match="iter_s must be positive"):
         time_lost(_window([0.1, 0.1]), 0.0)
+    w = _window([0.1, 0.1])
+    with pytest.raises(ValueError, match="measured against iter_s=0.2, not 0.1"):
+        time_lost(w, 0.1, metrics=window_metrics(w, iter_s=0.2, label="x"))
